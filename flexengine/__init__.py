@@ -1,0 +1,1 @@
+"""flexengine: LLM inference with FlexAttention over a paged KV cache."""

@@ -1,0 +1,142 @@
+"""FlexAttention over the paged pool: the user's logical mods, rewritten to physical coordinates.
+
+`prepare` runs once per step and builds, for each distinct mask mod of the model, one BlockMask for
+the decode rows and one for the prefill tiles (see metadata.py for the layout); every layer with that
+mask reuses them.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
+from ..metadata import Q_TILE, AttentionMetadata, page_lists
+
+
+def _param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
+    values = []
+    for name in request_params(fn, base_args):
+        if name not in meta.params:
+            raise ValueError(f"{mod_name(fn)} reads the per-request parameter {name!r}, which the step's "
+                             f"requests did not supply (attention_params={{{name!r}: ...}})")
+        values.append(meta.params[name])
+    return values
+
+
+def _logical_kv(meta: AttentionMetadata, req, kv_idx):
+    """Physical pool index → (logical kv position, whether it is a live token of request `req`)."""
+    P = meta.block_size
+    page = kv_idx // P
+    lp = meta.phys_to_logical[page]
+    lkv = lp * P + kv_idx % P
+    # Owning the page is checked too, so correctness never rests on the block lists alone
+    # (eager flex evaluates the mask over the whole pool).
+    owned = meta.block_tables[req, lp] == page
+    return lkv, owned & (lkv < meta.seq_lens[req])
+
+
+def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool):
+    values = _param_values(meta, mask_mod, MASK_ARGS)
+    if decode:
+        def mask(b, h, q_idx, kv_idx):
+            req = meta.tile_req[b]
+            lkv, live = _logical_kv(meta, req, kv_idx)
+            return live & mask_mod(req, h, meta.seq_lens[req] - 1, lkv, *values)
+    else:
+        def mask(b, h, q_idx, kv_idx):
+            req = meta.prefill_req[q_idx]
+            lkv, live = _logical_kv(meta, req, kv_idx)
+            return live & mask_mod(req, h, meta.prefill_pos[q_idx], lkv, *values)
+    return mask
+
+
+def paged_score(meta: AttentionMetadata, score_mod, decode: bool):
+    if score_mod is None:
+        return None
+    values = _param_values(meta, score_mod, SCORE_ARGS)
+    P = meta.block_size
+    if decode:
+        def score(s, b, h, q_idx, kv_idx):
+            req = meta.tile_req[b]
+            lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
+            return score_mod(s, req, h, meta.seq_lens[req] - 1, lkv, *values)
+    else:
+        def score(s, b, h, q_idx, kv_idx):
+            req = meta.prefill_req[q_idx]
+            lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
+            return score_mod(s, req, h, meta.prefill_pos[q_idx], lkv, *values)
+    return score
+
+
+def build_block_masks(meta: AttentionMetadata, mask_mod):
+    """(decode BlockMask or None, prefill BlockMask or None) for one logical mask."""
+    lay, P = meta.layout, meta.block_size
+    kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, _param_values(meta, mask_mod, MASK_ARGS))
+    kv_len = meta.num_blocks * P
+    Bd, Tp = lay.num_decode, lay.num_tiles
+    M = kv_idx.shape[1]
+    dec = pre = None
+    if Bd:
+        dec = BlockMask.from_kv_blocks(
+            kv_num[:Bd].view(Bd, 1, 1), kv_idx[:Bd].view(Bd, 1, 1, M),
+            full_num[:Bd].view(Bd, 1, 1), full_idx[:Bd].view(Bd, 1, 1, M),
+            BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, decode=True),
+            seq_lengths=(1, kv_len), compute_q_blocks=False)
+    if Tp:
+        pre = BlockMask.from_kv_blocks(
+            kv_num[Bd:].view(1, 1, Tp), kv_idx[Bd:].view(1, 1, Tp, M),
+            full_num[Bd:].view(1, 1, Tp), full_idx[Bd:].view(1, 1, Tp, M),
+            BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, decode=False),
+            seq_lengths=(Tp * Q_TILE, kv_len), compute_q_blocks=False)
+    return dec, pre
+
+
+@functools.cache
+def _compiled_flex():
+    # Eager flex materialises the whole score matrix; on a GPU only the compiled kernel is acceptable.
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+class FlexBackend:
+    name = "flex"
+
+    def __init__(self, compile: bool | None = None):
+        self.compile = compile  # None: compile on CUDA, eager on CPU (where Inductor's flex is slow to build)
+
+    def flex_fn(self, device: torch.device):
+        use = self.compile if self.compile is not None else device.type == "cuda"
+        return _compiled_flex() if use else flex_attention
+
+    def prepare(self, meta: AttentionMetadata, mods) -> None:
+        """Build each distinct mask's BlockMasks and each distinct score mod's rewrite, once per step."""
+        masks, scores = meta.backend_state.setdefault("masks", {}), meta.backend_state.setdefault("scores", {})
+        for mask_mod, score_mod in mods:
+            if mask_mod not in masks:
+                masks[mask_mod] = build_block_masks(meta, mask_mod)
+            if score_mod not in scores:
+                scores[score_mod] = (paged_score(meta, score_mod, True), paged_score(meta, score_mod, False))
+
+    def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, mask_mod, score_mod, scale):
+        T, Hq, D = query.shape
+        NB, P, Hkv, _ = key_cache.shape
+        lay = meta.layout
+        if mask_mod not in meta.backend_state.get("masks", {}) or score_mod not in meta.backend_state["scores"]:
+            self.prepare(meta, [(mask_mod, score_mod)])
+        dec_bm, pre_bm = meta.backend_state["masks"][mask_mod]
+        dec_sm, pre_sm = meta.backend_state["scores"][score_mod]
+        k = key_cache.view(1, NB * P, Hkv, D).transpose(1, 2)
+        v = value_cache.view(1, NB * P, Hkv, D).transpose(1, 2)
+        flex = self.flex_fn(query.device)
+        gqa = Hq != Hkv
+        out = query.new_empty(T + 1, Hq, D)  # row T swallows padding rows
+        if lay.num_decode:
+            qd = query[meta.decode_src].unsqueeze(2)  # [Bd, Hq, 1, D]
+            od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa)
+            out.index_copy_(0, meta.decode_dst, od.squeeze(2))
+        if lay.num_tiles:
+            qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
+            op = flex(qp, k, v, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa)
+            out.index_copy_(0, meta.prefill_dst, op[0].transpose(0, 1))
+        return out[:T]

@@ -1,0 +1,204 @@
+"""The once-per-step attention metadata: where each query sits, and which pages each query tile reads.
+
+Layout (chosen by measurement, see docs/benchmarks.md and DESIGN.md's baselines):
+- The KV pool of a layer is viewed as ONE sequence `[1, Hkv, num_blocks * block_size, D]`, and the
+  flex KV block equals the page, so a block table row IS a list of flex kv block indices. No copy of
+  K/V, and physical placement never changes which keys a tile sees.
+- Decode rows (query_len == 1) get one flex batch row each: `[Bd, Hq, 1, D]`, the shape the flex
+  decoding kernel (split-KV, GQA-packed) wants. Each row's BlockMask lists exactly its own pages.
+- Prefill rows are packed into 128-query tiles that never mix requests: `[1, Hq, Tp * 128, D]`.
+  Padding is at most one tile per prefilling request, so memory grows with the step's tokens, not
+  with requests x longest prompt (one-row-per-request prefill would pad every row to the longest).
+- The physical->logical page map is 1-D `[num_blocks]`: a physical page has one logical index even
+  when the prefix cache shares it, so no `[requests, pool]` map is needed.
+
+Everything shape-determining (how many decode rows and prefill tiles) is computed on the host from
+`query_lens`/`seq_lens`, which the scheduler knows; the device work is pure tensor ops with no sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+Q_TILE = 128  # flex q block for prefill tiles; one tile never holds two requests
+
+
+@dataclass
+class StepLayout:
+    """Host-computed placement of the step's query tokens in the flex calls."""
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_tokens: int
+    num_decode: int            # decode rows, padding included
+    num_tiles: int             # prefill tiles, padding included
+    # Per tile (decode rows first, then prefill tiles): request, first and last logical query position.
+    tile_req: np.ndarray
+    tile_q_lo: np.ndarray
+    tile_q_hi: np.ndarray
+    tile_valid: np.ndarray
+    # Per query row of the prefill call (num_tiles * Q_TILE rows).
+    prefill_req: np.ndarray
+    prefill_pos: np.ndarray
+    prefill_src: np.ndarray    # packed token index to read the query from (padding reads token 0)
+    prefill_dst: np.ndarray    # packed token index to write the output to (padding writes row num_tokens)
+    decode_src: np.ndarray
+    decode_dst: np.ndarray
+
+
+def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int = 0,
+                pad_tiles_to: int = 0) -> StepLayout:
+    """Place each request's queries: query_len 1 → a decode row, longer → whole prefill tiles."""
+    ql = np.asarray(query_lens, dtype=np.int64)
+    sl = np.asarray(seq_lens, dtype=np.int64)
+    T = int(ql.sum())
+    starts = np.concatenate([[0], np.cumsum(ql)[:-1]]).astype(np.int64)
+    dec = np.nonzero(ql == 1)[0]
+    pre = np.nonzero(ql > 1)[0]
+    Bd = max(len(dec), pad_decode_to)
+    tiles_per = (ql[pre] + Q_TILE - 1) // Q_TILE
+    Tp = max(int(tiles_per.sum()), pad_tiles_to)
+
+    dec_pad = Bd - len(dec)
+    decode_src = np.concatenate([starts[dec], np.zeros(dec_pad, np.int64)])
+    decode_dst = np.concatenate([starts[dec], np.full(dec_pad, T, np.int64)])
+
+    # Prefill tiles: tile k of request i covers its queries k*Q_TILE .. (k+1)*Q_TILE - 1.
+    t_req = np.repeat(pre, tiles_per)
+    t_k = np.arange(len(t_req)) - np.repeat(np.cumsum(tiles_per) - tiles_per, tiles_per)
+    ctx = sl - ql  # logical position of each request's first new token
+    t_lo = ctx[t_req] + t_k * Q_TILE
+    t_hi = np.minimum(t_lo + Q_TILE, sl[t_req]) - 1
+
+    rows = np.arange(Tp * Q_TILE)
+    row_tile = rows // Q_TILE
+    real_tile = row_tile < len(t_req)
+    rt = np.minimum(row_tile, max(len(t_req) - 1, 0))
+    row_k = rows % Q_TILE + (t_k[rt] * Q_TILE if len(t_req) else 0)
+    row_req = t_req[rt] if len(t_req) else np.zeros_like(rows)
+    row_valid = real_tile & (row_k < ql[row_req]) if len(t_req) else np.zeros(len(rows), bool)
+    prefill_src = np.where(row_valid, starts[row_req] + row_k, 0) if len(t_req) else np.zeros_like(rows)
+    prefill_dst = np.where(row_valid, prefill_src, T)
+    prefill_pos = ctx[row_req] + row_k if len(t_req) else np.zeros_like(rows)
+
+    tile_pad = Tp - len(t_req)
+    z = lambda n: np.zeros(n, np.int64)  # noqa: E731
+    dreq = np.concatenate([dec, z(dec_pad)])
+    dpos = np.concatenate([sl[dec] - 1, z(dec_pad)])
+    return StepLayout(
+        query_lens=[int(x) for x in ql], seq_lens=[int(x) for x in sl], num_tokens=T, num_decode=Bd, num_tiles=Tp,
+        tile_req=np.concatenate([dreq, t_req, z(tile_pad)]),
+        tile_q_lo=np.concatenate([dpos, t_lo, z(tile_pad)]),
+        tile_q_hi=np.concatenate([dpos, t_hi, z(tile_pad)]),
+        tile_valid=np.concatenate([np.arange(Bd) < len(dec), np.ones(len(t_req), bool), np.zeros(tile_pad, bool)]),
+        prefill_req=row_req, prefill_pos=prefill_pos, prefill_src=prefill_src, prefill_dst=prefill_dst,
+        decode_src=decode_src, decode_dst=decode_dst,
+    )
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything every attention layer of one step reads; built once, shared by all layers."""
+    layout: StepLayout
+    block_size: int
+    num_blocks: int
+    seq_lens: torch.Tensor          # int32 [R]
+    block_tables: torch.Tensor      # int32 [R, M]
+    slot_mapping: torch.Tensor      # int64 [T]; where each new token's K/V is written
+    phys_to_logical: torch.Tensor   # int32 [num_blocks]; logical page index of each physical page
+    # Device copies of the layout (int64, so they index directly).
+    tile_req: torch.Tensor
+    tile_q_lo: torch.Tensor
+    tile_q_hi: torch.Tensor
+    tile_valid: torch.Tensor
+    prefill_req: torch.Tensor
+    prefill_pos: torch.Tensor
+    prefill_src: torch.Tensor
+    prefill_dst: torch.Tensor
+    decode_src: torch.Tensor
+    decode_dst: torch.Tensor
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # per-request mod parameters [R]
+    backend: object = None
+    backend_state: dict = field(default_factory=dict)  # built by the backend in prepare()
+
+    @property
+    def decode_req(self) -> torch.Tensor:
+        return self.tile_req[: self.layout.num_decode]
+
+
+def build_phys_to_logical(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                          num_blocks: int) -> torch.Tensor:
+    """Scatter each used block-table entry's column index into a [num_blocks] map, no host sync.
+
+    Entries past a request's last page are garbage and go to a spill slot that is dropped.
+    """
+    R, M = block_tables.shape
+    used = torch.arange(M, device=block_tables.device)[None, :] < (
+        (seq_lens[:, None] + block_size - 1) // block_size)
+    phys = torch.where(used, block_tables.long().clamp(0, num_blocks - 1), num_blocks)
+    logical = torch.arange(M, device=block_tables.device, dtype=torch.int32).expand(R, M)
+    p2l = torch.zeros(num_blocks + 1, dtype=torch.int32, device=block_tables.device)
+    p2l.scatter_(0, phys.flatten(), logical.flatten())
+    return p2l[:num_blocks]
+
+
+def build_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
+                   layout: StepLayout, block_size: int, num_blocks: int,
+                   params: dict[str, torch.Tensor] | None = None) -> AttentionMetadata:
+    device = block_tables.device
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)  # noqa: E731
+    return AttentionMetadata(
+        layout=layout, block_size=block_size, num_blocks=num_blocks,
+        seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
+        phys_to_logical=build_phys_to_logical(block_tables, seq_lens, block_size, num_blocks),
+        tile_req=to(layout.tile_req), tile_q_lo=to(layout.tile_q_lo), tile_q_hi=to(layout.tile_q_hi),
+        tile_valid=torch.from_numpy(layout.tile_valid.copy()).to(device, non_blocking=True),
+        prefill_req=to(layout.prefill_req), prefill_pos=to(layout.prefill_pos),
+        prefill_src=to(layout.prefill_src), prefill_dst=to(layout.prefill_dst),
+        decode_src=to(layout.decode_src), decode_dst=to(layout.decode_dst),
+        params=dict(params or {}),
+    )
+
+
+def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor]):
+    """Per tile: the partial and the full page lists for `mask_mod`, as flex kv_* tensors [tiles, M].
+
+    Pages come from the mask's logical `kv_bounds` (any-true and all-true token ranges), clipped to
+    the request's context; a mask without bounds visits all its pages as partial. Partial pages are
+    [lo, flo) ∪ [fhi, hi) and full pages [flo, fhi), in logical page units, then mapped through the
+    block table, so no page of another request can appear.
+    """
+    P = meta.block_size
+    req = meta.tile_req
+    L = meta.seq_lens.long()[req]
+    q_lo, q_hi = meta.tile_q_lo, meta.tile_q_hi
+    zero = torch.zeros_like(L)
+    bounds = getattr(mask_mod, "kv_bounds", None)
+    if bounds is None:
+        a_lo, a_hi, f_lo, f_hi = zero, L, zero, zero
+    else:
+        a_lo, a_hi, f_lo, f_hi = (torch.as_tensor(x, device=L.device).long().expand_as(L)
+                                  for x in bounds(req, q_lo, q_hi, L, *param_values))
+    a_lo, a_hi = a_lo.clamp(min=0), torch.minimum(a_hi, L)
+    f_lo, f_hi = torch.maximum(f_lo, a_lo), torch.minimum(f_hi, a_hi)
+    valid = meta.tile_valid & (a_hi > a_lo)
+    lo = torch.where(valid, a_lo // P, zero)
+    hi = torch.where(valid, (a_hi + P - 1) // P, zero)
+    flo, fhi = (f_lo + P - 1) // P, f_hi // P  # only pages wholly inside the all-true range
+    no_full = fhi <= flo
+    flo = torch.where(no_full, hi, flo.clamp(lo, hi))
+    fhi = torch.where(no_full, hi, fhi.clamp(flo, hi))
+
+    M = meta.block_tables.shape[1]
+    j = torch.arange(M, device=L.device)[None, :]
+    n_left = (flo - lo)[:, None]
+    partial_logical = torch.where(j < n_left, lo[:, None] + j, fhi[:, None] + j - n_left)
+    full_logical = flo[:, None] + j
+    rows = meta.block_tables[req]
+    nb = meta.num_blocks - 1  # entries past a list's count are never read, but must stay in range
+    kv_idx = rows.gather(1, partial_logical.clamp(0, M - 1)).clamp(0, nb).int()
+    full_idx = rows.gather(1, full_logical.clamp(0, M - 1)).clamp(0, nb).int()
+    kv_num = ((flo - lo) + (hi - fhi)).int()
+    full_num = (fhi - flo).int()
+    return kv_num, kv_idx, full_num, full_idx

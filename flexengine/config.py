@@ -1,0 +1,13 @@
+"""Engine configuration. Environment overrides are read here and nowhere else."""
+from __future__ import annotations
+
+import os
+
+BACKEND_ENV = "FLEXENGINE_ATTENTION_BACKEND"
+BACKEND_NAMES = ("flex", "flash", "reference", "auto")
+
+
+def env_attention_backend() -> str | None:
+    """The backend named by FLEXENGINE_ATTENTION_BACKEND, or None when unset or empty."""
+    value = os.environ.get(BACKEND_ENV, "").strip().lower()
+    return value or None

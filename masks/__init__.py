@@ -1,0 +1,17 @@
+"""Logical attention mods and their registry: the user's extension point.
+
+A mask mod is `mask_mod(b, h, q_idx, kv_idx) -> bool tensor`, a score mod is
+`score_mod(score, b, h, q_idx, kv_idx) -> score`, all in logical coordinates (positions within the
+request's own sequence). The engine translates them to the paged cache; this package imports nothing
+from the engine.
+"""
+from .builtins import (alibi, and_masks, bidirectional, causal, chunked_local, or_masks, prefix_lm,
+                       prefix_lm_per_request, sliding_window, softcap)
+from .registry import (MASK_ARGS, SCORE_ARGS, get_mask_mod, get_score_mod, list_mask_mods, list_score_mods, mod_name,
+                       register_mask_mod, register_score_mod, request_params)
+
+__all__ = [
+    "causal", "bidirectional", "sliding_window", "chunked_local", "prefix_lm", "prefix_lm_per_request",
+    "softcap", "alibi", "and_masks", "or_masks", "register_mask_mod", "register_score_mod",
+    "MASK_ARGS", "SCORE_ARGS", "get_mask_mod", "get_score_mod", "list_mask_mods", "list_score_mods", "mod_name", "request_params",
+]

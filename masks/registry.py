@@ -1,0 +1,89 @@
+"""Name → mod registries, so a mask can be chosen by a string anywhere one is accepted."""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+_MASK_MODS: dict[str, Callable] = {}
+_SCORE_MODS: dict[str, Callable] = {}
+
+# The four coordinates every mod receives; any further parameters are per-request values.
+MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
+SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+
+
+def _register(table: dict, kind: str, name: str, replace: bool):
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{kind} name must be a non-empty string, got {name!r}")
+
+    def decorator(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise ValueError(f"{kind} {name!r} must be callable, got {type(fn).__name__}")
+        if name in table and not replace:
+            raise ValueError(f"{kind} {name!r} is already registered; pass replace=True to override it")
+        table[name] = fn
+        if getattr(fn, "mod_name", None) is None:
+            fn.mod_name = name
+        return fn
+
+    return decorator
+
+
+def register_mask_mod(name: str, *, replace: bool = False):
+    """Decorator: make `mask_mod(b, h, q_idx, kv_idx) -> bool` selectable by `name`."""
+    return _register(_MASK_MODS, "mask_mod", name, replace)
+
+
+def register_score_mod(name: str, *, replace: bool = False):
+    """Decorator: make `score_mod(score, b, h, q_idx, kv_idx) -> score` selectable by `name`."""
+    return _register(_SCORE_MODS, "score_mod", name, replace)
+
+
+def list_mask_mods() -> list[str]:
+    return sorted(_MASK_MODS)
+
+
+def list_score_mods() -> list[str]:
+    return sorted(_SCORE_MODS)
+
+
+def _lookup(table: dict, kind: str, mod):
+    if callable(mod):
+        return mod
+    if isinstance(mod, str):
+        if mod not in table:
+            raise ValueError(f"unknown {kind} {mod!r}; registered: {', '.join(sorted(table))}")
+        return table[mod]
+    raise ValueError(f"{kind} must be a registered name or a callable, got {type(mod).__name__}")
+
+
+def get_mask_mod(mod: str | Callable) -> Callable:
+    """A registered name or a callable → the mask mod."""
+    return _lookup(_MASK_MODS, "mask_mod", mod)
+
+
+def get_score_mod(mod: str | Callable | None) -> Callable | None:
+    """A registered name, a callable or None → the score mod (None means identity)."""
+    return None if mod is None else _lookup(_SCORE_MODS, "score_mod", mod)
+
+
+def mod_name(fn: Callable) -> str:
+    return getattr(fn, "mod_name", None) or getattr(fn, "__name__", type(fn).__name__)
+
+
+def request_params(fn: Callable, base_args: tuple[str, ...]) -> tuple[str, ...]:
+    """Names of the per-request parameters a mod reads: its arguments after the coordinates.
+
+    `def m(b, h, q_idx, kv_idx, prefix_len)` reads `prefix_len`, a tensor indexed by request `b`.
+    """
+    declared = getattr(fn, "request_params", None)
+    if declared is not None:
+        return tuple(declared)
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return ()
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(names[len(base_args):])
