@@ -11,10 +11,11 @@ from .metadata import AttentionMetadata
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 mask_mod="causal", score_mod=None):
+                 mask_mod="causal", score_mod=None, kind: str = "global"):
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.kind = kind  # "global" or "sliding": what LLM(mask_mod={"sliding": ...}) overrides
         self.mask_mod = get_mask_mod(mask_mod)
         self.score_mod = get_score_mod(score_mod)
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], attached by the runner

@@ -1,0 +1,60 @@
+"""`flexengine generate | bench | serve | make-model`.
+
+Each subcommand lives in its own module, which provides `add_arguments(parser)` and `main(args)`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "generate": ("flexengine.generate", "generate text for prompts with the offline engine"),
+    "serve": ("flexengine.server.api_server", "run the OpenAI-compatible HTTP server"),
+    "make-model": ("flexengine.models.presets", "write a random checkpoint of a real model's shape"),
+}
+BENCH_COMMANDS = {
+    "throughput": ("flexengine.benchmarks.throughput", "offline throughput (vLLM's benchmark_throughput)"),
+    "latency": ("flexengine.benchmarks.latency", "per-token decode latency at a fixed batch size"),
+    "serve": ("flexengine.benchmarks.serve", "serving benchmark against an OpenAI-compatible URL"),
+    "attention": ("flexengine.benchmarks.attention", "paged attention microbenchmark vs SDPA"),
+}
+
+
+def _add(sub, name, module, help_text):
+    parser = sub.add_parser(name, help=help_text, description=help_text,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    mod = importlib.import_module(module)
+    mod.add_arguments(parser)
+    parser.set_defaults(_main=mod.main)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flexengine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    # Import only the module the user asked for, so `flexengine generate` never pays for the server.
+    wanted = argv[0] if argv else None
+    for name, (module, help_text) in COMMANDS.items():
+        if wanted in (None, "-h", "--help") or wanted == name:
+            _add(sub, name, module, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
+    bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    wanted_bench = argv[1] if wanted == "bench" and len(argv) > 1 else None
+    for name, (module, help_text) in BENCH_COMMANDS.items():
+        if wanted_bench in (None, "-h", "--help") or wanted_bench == name:
+            _add(bench_sub, name, module, help_text)
+        else:
+            bench_sub.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    return args._main(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
