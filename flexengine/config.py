@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 BACKEND_ENV = "FLEXENGINE_ATTENTION_BACKEND"
 BACKEND_NAMES = ("flex", "flash", "reference", "auto")
@@ -21,3 +23,64 @@ def cache_dir() -> str:
         return explicit
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "flexengine")
+
+DEFAULT_BLOCK_SIZE = 16
+# vLLM's default token budget per step for chunked prefill (its V1 default for online serving).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Without a GPU to profile there is no memory to measure: the KV cache gets this many bytes.
+CPU_KV_CACHE_BYTES = 256 << 20
+# On CPU, FlexAttention runs eagerly and materialises scores over the whole page pool, so the pool is
+# also capped in tokens (a larger pool costs time on every step, not only memory).
+CPU_MAX_KV_TOKENS = 1 << 15
+# A model config may advertise 128k+ positions; unless asked, serve at most this many per request.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    """Everything LLM(...) / LLMEngine(...) accept; validated on construction."""
+    model: str | None = None              # path or hub id; None → the embedded default model
+    dtype: str = "auto"
+    device: str = "auto"                  # "auto" → cuda when available, else cpu
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV page
+    num_kv_blocks: int | None = None      # None → sized from memory (GPU profile / CPU_KV_CACHE_BYTES)
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None      # None → the model's max_position_embeddings, capped
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # None → FLEXENGINE_ATTENTION_BACKEND → auto
+    enforce_eager: bool = False
+    seed: int = 0
+    mask_mod: Any = None                  # per-kind mask overrides (semantics owned by the models side)
+    score_mod: Any = None
+
+    def __post_init__(self):
+        def positive(name, allow_none=False):
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive(name)
+        positive("num_kv_blocks", allow_none=True)
+        positive("max_model_len", allow_none=True)
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.dtype not in DTYPES and not _is_torch_dtype(self.dtype):
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device must be a string such as 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.attention_backend is not None and str(self.attention_backend).strip().lower() not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)} or None, "
+                             f"got {self.attention_backend!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+def _is_torch_dtype(value) -> bool:
+    import torch
+    return isinstance(value, torch.dtype)

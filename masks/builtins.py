@@ -34,7 +34,7 @@ causal.kv_bounds = lambda b, q_lo, q_hi, kv_len: (_zeros(q_lo), q_hi + 1, _zeros
 
 @register_mask_mod("bidirectional")
 def bidirectional(b, h, q_idx, kv_idx):
-    return kv_idx >= 0  # a tensor, shaped like kv_idx, always true
+    return (q_idx >= 0) & (kv_idx >= 0)  # always true, broadcast like the other masks
 
 
 bidirectional.kv_bounds = lambda b, q_lo, q_hi, kv_len: (_zeros(q_lo), kv_len, _zeros(q_lo), kv_len)

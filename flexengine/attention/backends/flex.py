@@ -70,24 +70,39 @@ def paged_score(meta: AttentionMetadata, score_mod, decode: bool):
     return score
 
 
+def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[N, M] page lists → an [N, num_blocks] view whose row stride stays M.
+
+    Flex requires the BlockMask to span the whole KV length (the pool), but a row is only read up to
+    its count (<= M). Overlapping rows in one buffer of N*M + num_blocks entries keep the metadata
+    O(batch), where a dense [N, num_blocks] table would be O(batch x pool).
+    """
+    N, M = idx_NM.shape
+    if M >= num_blocks:
+        return idx_NM
+    buf = idx_NM.new_zeros(N * M + num_blocks)
+    buf[: N * M] = idx_NM.flatten()
+    return buf.as_strided((N, num_blocks), (M, 1))
+
+
 def build_block_masks(meta: AttentionMetadata, mask_mod):
     """(decode BlockMask or None, prefill BlockMask or None) for one logical mask."""
     lay, P = meta.layout, meta.block_size
     kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, _param_values(meta, mask_mod, MASK_ARGS))
     kv_len = meta.num_blocks * P
     Bd, Tp = lay.num_decode, lay.num_tiles
-    M = kv_idx.shape[1]
+    M = meta.num_blocks
     dec = pre = None
     if Bd:
         dec = BlockMask.from_kv_blocks(
-            kv_num[:Bd].view(Bd, 1, 1), kv_idx[:Bd].view(Bd, 1, 1, M),
-            full_num[:Bd].view(Bd, 1, 1), full_idx[:Bd].view(Bd, 1, 1, M),
+            kv_num[:Bd].view(Bd, 1, 1), _pool_wide(kv_idx[:Bd], M).view(Bd, 1, 1, M),
+            full_num[:Bd].view(Bd, 1, 1), _pool_wide(full_idx[:Bd], M).view(Bd, 1, 1, M),
             BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, decode=True),
             seq_lengths=(1, kv_len), compute_q_blocks=False)
     if Tp:
         pre = BlockMask.from_kv_blocks(
-            kv_num[Bd:].view(1, 1, Tp), kv_idx[Bd:].view(1, 1, Tp, M),
-            full_num[Bd:].view(1, 1, Tp), full_idx[Bd:].view(1, 1, Tp, M),
+            kv_num[Bd:].view(1, 1, Tp), _pool_wide(kv_idx[Bd:], M).view(1, 1, Tp, M),
+            full_num[Bd:].view(1, 1, Tp), _pool_wide(full_idx[Bd:], M).view(1, 1, Tp, M),
             BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, decode=False),
             seq_lengths=(Tp * Q_TILE, kv_len), compute_q_blocks=False)
     return dec, pre

@@ -1,0 +1,225 @@
+"""LLMEngine: requests in, one scheduled model step at a time, RequestOutputs out.
+
+    engine = LLMEngine(EngineConfig(model=...))
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...   # text and token_ids are cumulative, as vLLM's
+
+Every input is validated in add_request before anything is allocated, so a bad request raises
+ValueError and leaves the engine exactly as it was.
+"""
+from __future__ import annotations
+
+import os
+
+from ..config import EngineConfig
+from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import IncrementalDetokenizer
+from .block_manager import BlockManager
+from .model_runner import ModelRunner, text_config
+from .scheduler import Scheduler
+from .sequence import Request, Sequence
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.vocab_size
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = self._eos_token_ids()
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set()
+        sources = [getattr(text_config(self.runner.hf_config), "eos_token_id", None)]
+        if self.tokenizer is not None:
+            sources.append(self.tokenizer.eos_token_id)
+        gen_path = os.path.join(self.runner.model_path, "generation_config.json")
+        if os.path.exists(gen_path):
+            from transformers import GenerationConfig
+            sources.append(GenerationConfig.from_pretrained(self.runner.model_path).eos_token_id)
+        for source in sources:
+            ids.update(source if isinstance(source, (list, tuple)) else [] if source is None else [source])
+        return frozenset(int(i) for i in ids)
+
+    # ---------------------------------------------------------------- accounting
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def num_free_blocks(self) -> int:
+        """Pages free or evictable (cached but unreferenced)."""
+        return self.block_manager.num_free_blocks()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---------------------------------------------------------------- requests in
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """A str, {"prompt_token_ids": [...]} (optionally with "prompt") or a list of ids → (text, ids)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as {'prompt_token_ids': [...]}")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError(f"a prompt dict needs 'prompt_token_ids', got keys {sorted(prompt)}")
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, prompt
+        else:
+            raise ValueError(f"a prompt must be a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return text, list(ids)
+
+    def validate(self, request_id, prompt_ids: list[int], params) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, more than max_model_len={self.max_model_len}")
+        if self.block_manager.blocks_for(len(prompt_ids)) > self.num_total_blocks:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, more than the KV cache can ever hold "
+                             f"({self.num_total_blocks} blocks of {self.block_manager.block_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none (use stop_token_ids)")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {self.vocab_size}")
+        for name, value in (params.attention_params or {}).items():
+            if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"attention_params must map names to numbers, got {name!r}: {value!r}")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request; raises ValueError (and changes nothing) when it is invalid."""
+        params = SamplingParams() if params is None else params
+        text, prompt_ids = self.tokenize(prompt)
+        self.validate(request_id, prompt_ids, params)
+        seqs = [self._make_sequence(request_id, i, prompt_ids, params.for_completion(i)) for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, text, prompt_ids, params, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _make_sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        seq = Sequence(request_id=request_id, index=index, token_ids=list(prompt_ids),
+                       num_prompt_tokens=len(prompt_ids), params=params)
+        if params.seed is not None and not params.greedy:
+            seq.generator = self.runner.make_generator(params.seed)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request now; its pages are freed at once. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            for seq in request.seqs:
+                self.scheduler.finish(seq, "abort")
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        seqs, out = self.runner.execute(batch)
+        self.scheduler.update_computed(batch)
+        if not seqs:
+            return []
+        token_ids = out.token_ids.tolist()  # the step's one device → host sync
+        lp = None
+        if out.logprob is not None:
+            lp = (out.logprob.tolist(), out.rank.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist())
+        progressed: dict[str, Request] = {}
+        for i, (seq, token) in enumerate(zip(seqs, token_ids)):
+            self._append_token(seq, token, None if lp is None else (lp[0][i], lp[1][i], lp[2][i], lp[3][i]))
+            progressed[seq.request_id] = self.requests[seq.request_id]
+        outputs = [self._make_output(r) for r in progressed.values()]
+        for r in progressed.values():
+            if r.finished:
+                del self.requests[r.request_id]
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, lp) -> None:
+        seq.token_ids.append(token)
+        params = seq.params
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_dict(token, lp, params.logprobs))
+            seq.cumulative_logprob += lp[0]
+        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if seq.detokenizer is not None and not stop_token:  # a stop token's text is not part of the output
+            delta = seq.detokenizer.add(token)
+            seq.text += delta
+            if params.stop and delta and self._check_stop_strings(seq, len(delta)):
+                return
+        if stop_token:
+            seq.stop_reason = token if token in params.stop_token_ids else None
+            self.scheduler.finish(seq, "stop")
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or \
+                seq.num_tokens >= self.max_model_len:
+            if seq.detokenizer is not None:
+                seq.text += seq.detokenizer.flush()
+            self.scheduler.finish(seq, "length")
+
+    def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
+        """Cut the text just before the earliest stop string that the new text completes."""
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, len(seq.text) - delta_len - longest + 1)
+        found = [(seq.text.find(s, start), s) for s in seq.params.stop]
+        found = [(i, s) for i, s in found if i >= 0]
+        if not found:
+            return False
+        index, stop = min(found)
+        seq.text, seq.stop_reason = seq.text[:index], stop
+        self.scheduler.finish(seq, "stop")
+        return True
+
+    def _logprob_dict(self, token: int, lp, k: int) -> dict[int, Logprob]:
+        chosen, rank, top_ids, top_lps = lp
+        entries = {t: Logprob(v, r + 1, self._decode_one(t)) for r, (t, v) in enumerate(zip(top_ids[:k], top_lps[:k]))}
+        if token not in entries:
+            entries[token] = Logprob(chosen, rank, self._decode_one(token))
+        else:
+            entries[token].rank = rank  # ties: report the rank the sampler counted
+        return entries
+
+    def _decode_one(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            text = seq.text
+            if not seq.is_finished and seq.params.stop:
+                # Hold back what might be the start of a stop string, so cumulative text never shrinks.
+                hold = max(len(s) for s in seq.params.stop) - 1
+                text = text[:max(0, len(text) - hold)]
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=list(request.prompt_token_ids), outputs=completions,
+                             finished=request.finished,
+                             num_cached_tokens=min(s.num_cached_tokens for s in request.seqs))

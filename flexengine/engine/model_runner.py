@@ -1,0 +1,236 @@
+"""The model, its paged KV cache and one step: pack the inputs, run the model, sample.
+
+A step is three functions named for what they do:
+  prepare_step(batch) -> StepInputs    host lists → device tensors (one transfer each) + metadata (once)
+  run_model(input_ids, positions, meta) -> hidden   the only call the compile layer needs to wrap
+  sample(hidden, inputs) -> SamplerOutput           logits only for rows that need a token
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from ..attention.backends import get_backend
+from ..attention.kv_cache import allocate_kv_cache
+from ..attention.metadata import AttentionMetadata, build_metadata, plan_layout
+from ..config import CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
+from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor           # int64 [T]
+    positions: torch.Tensor           # int64 [T]
+    meta: AttentionMetadata
+    sample_seqs: list[Sequence]       # sequences that get a token this step, in row order
+    sample_rows: torch.Tensor         # int64 [N]: their last token's row in the packed batch
+    sampling: SamplingTensors | None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
+    return dev
+
+
+def text_config(hf_config):
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        from ..models.loader import load_model  # the model side; imported here so the engine imports stay light
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        if config.model is None:
+            from ..models.default_model import default_model_path
+            self.model_path = default_model_path()
+        else:
+            self.model_path = os.fspath(config.model)
+        self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
+        self.layers = self.model.attention_layers()
+        first = self.layers[0]
+        assert all((a.num_kv_heads, a.head_dim) == (first.num_kv_heads, first.head_dim) for a in self.layers), \
+            "one KV cache shape for every layer"
+        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        self.dtype = next(self.model.parameters()).dtype
+        self.vocab_size = text_config(self.hf_config).vocab_size
+        self.block_size = config.block_size
+        self.mods = [(a.mask_mod, a.score_mod) for a in self.layers]
+        self.backend = get_backend(config.attention_backend, self.mods, self.head_dim)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = Sampler(self.generator)
+
+        self.num_blocks = config.num_kv_blocks or self.measure_num_blocks()
+        self.max_model_len = self.choose_max_model_len()
+        self.kv_cache = allocate_kv_cache(len(self.layers), self.num_blocks, self.block_size, self.num_kv_heads,
+                                          self.head_dim, self.dtype, self.device)
+        self.attach_kv_cache(self.kv_cache)
+
+    # ---------------------------------------------------------------- sizing
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def model_max_len(self) -> int | None:
+        return getattr(text_config(self.hf_config), "max_position_embeddings", None)
+
+    def choose_max_model_len(self) -> int:
+        """The asked-for length (checked against the model and the cache), else the model's, capped."""
+        model_max, capacity = self.model_max_len(), self.num_blocks * self.block_size
+        asked = self.config.max_model_len
+        if asked is not None:
+            if model_max is not None and asked > model_max:
+                raise ValueError(f"max_model_len={asked} is larger than the model's max_position_embeddings "
+                                 f"({model_max})")
+            need = -(-asked // self.block_size)
+            if need > self.num_blocks:
+                raise ValueError(f"the KV cache has {self.num_blocks} blocks of {self.block_size} tokens, too few for "
+                                 f"one request of max_model_len={asked}: it needs {need} blocks (raise num_kv_blocks "
+                                 f"or gpu_memory_utilization, or lower max_model_len)")
+            return asked
+        # Unasked, serve what both the model and the cache can hold.
+        return min(model_max or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP, capacity)
+
+    def measure_num_blocks(self) -> int:
+        """CPU: a fixed budget (CPU_KV_CACHE_BYTES, at most CPU_MAX_KV_TOKENS tokens). GPU: what is left of
+        gpu_memory_utilization x total memory after a profiling forward at max_num_batched_tokens."""
+        per_block = self.bytes_per_block()
+        if self.device.type != "cuda":
+            return max(1, min(CPU_KV_CACHE_BYTES // per_block, CPU_MAX_KV_TOKENS // self.block_size))
+        budget = self.profile_kv_budget()
+        num = budget // per_block
+        if num < 1:
+            raise ValueError(f"no GPU memory is left for the KV cache: the model and a step of "
+                             f"{self.config.max_num_batched_tokens} tokens use more than gpu_memory_utilization="
+                             f"{self.config.gpu_memory_utilization} of the device (raise it, or lower "
+                             f"max_num_batched_tokens)")
+        return int(num)
+
+    @torch.inference_mode()
+    def profile_kv_budget(self) -> int:
+        """Bytes for the KV cache: run the largest step the scheduler can make, on a scratch cache."""
+        cfg, P = self.config, self.block_size
+        T = cfg.max_num_batched_tokens
+        num_seqs = max(1, min(cfg.max_num_seqs, T))
+        lens = [T // num_seqs + (i < T % num_seqs) for i in range(num_seqs)]
+        scratch_blocks = sum(-(-n // P) for n in lens) + 1
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = allocate_kv_cache(len(self.layers), scratch_blocks, P, self.num_kv_heads, self.head_dim,
+                                    self.dtype, self.device)
+        self.attach_kv_cache(scratch)
+        seqs, pages = [], iter(range(scratch_blocks))
+        for n in lens:
+            seq = Sequence(request_id="profile", index=0, token_ids=[0] * n, num_prompt_tokens=n, params=None)
+            seq.block_table = [next(pages) for _ in range(-(-n // P))]
+            seqs.append(seq)
+        inputs = self.prepare_step(ScheduledBatch(seqs, lens), sampling=False)
+        hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        self.sampler(logits, SamplingTensors(temperature=torch.ones(len(seqs), device=self.device)))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch.numel() * scratch.element_size()
+        del scratch, hidden, logits, inputs
+        self.attach_kv_cache(None)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)  # CUDA context, other processes
+        return int(total * cfg.gpu_memory_utilization - peak - outside_torch)
+
+    def attach_kv_cache(self, cache: torch.Tensor | None) -> None:
+        for i, layer in enumerate(self.layers):
+            layer.k_cache, layer.v_cache = (None, None) if cache is None else (cache[i, 0], cache[i, 1])
+
+    # ---------------------------------------------------------------- the step
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def prepare_step(self, batch: ScheduledBatch, sampling: bool = True) -> StepInputs:
+        """Pack the scheduled tokens: ids, positions, slots, block tables, lengths; build the metadata once."""
+        P, seqs = self.block_size, batch.seqs
+        R = len(seqs)
+        query_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.asarray([s.num_computed_tokens for s in seqs], dtype=np.int64)
+        seq_lens = starts + query_lens
+        T = int(query_lens.sum())
+        ids = np.asarray(list(chain.from_iterable(s.token_ids[a:a + n] for s, a, n in zip(seqs, starts, query_lens))),
+                         dtype=np.int64)
+        req = np.repeat(np.arange(R), query_lens)
+        ends = np.cumsum(query_lens)
+        positions = np.repeat(starts, query_lens) + np.arange(T) - np.repeat(ends - query_lens, query_lens)
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((R, width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        slots = tables[req, positions // P].astype(np.int64) * P + positions % P
+
+        layout = plan_layout(batch.num_new_tokens, seq_lens.tolist())
+        num_blocks = self.layers[0].k_cache.shape[0]  # the attached cache (a scratch one while profiling)
+        meta = build_metadata(self.to_device(tables), self.to_device(seq_lens.astype(np.int32)),
+                              self.to_device(slots), layout, P, num_blocks, self.attention_params(seqs))
+        meta.backend = self.backend
+        self.backend.prepare(meta, self.mods)
+
+        # A sequence gets a token when this step computes its last known token (its prompt is done).
+        done = [i for i, s in enumerate(seqs) if seq_lens[i] == s.num_tokens]
+        sample_seqs = [seqs[i] for i in done]
+        return StepInputs(
+            input_ids=self.to_device(ids), positions=self.to_device(positions), meta=meta,
+            sample_seqs=sample_seqs, sample_rows=self.to_device(ends[done] - 1),
+            sampling=self.sampling_tensors(sample_seqs) if sampling and sample_seqs else None)
+
+    def attention_params(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        """Per-request mod parameters (SamplingParams.attention_params) as [R] tensors; absent → 0."""
+        names = sorted({k for s in seqs if s.params is not None for k in (s.params.attention_params or {})})
+        return {name: self.to_device(np.asarray([(s.params.attention_params or {}).get(name, 0) for s in seqs]))
+                for name in names}
+
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [s.params for s in seqs]
+        V = self.vocab_size
+        rows = np.asarray([(p.temperature, p.top_p, p.min_p, p.top_k if p.top_k > 0 else V) for p in params],
+                          dtype=np.float32).reshape(-1, 4)
+        packed = self.to_device(rows)  # one transfer for all four
+        any_top_k = any(p.top_k > 0 for p in params)
+        any_top_p = any(p.top_p < 1 for p in params)
+        any_min_p = any(p.min_p > 0 for p in params)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingTensors(
+            temperature=packed[:, 0], top_p=packed[:, 1] if any_top_p else None,
+            min_p=packed[:, 2] if any_min_p else None, top_k=packed[:, 3].long() if any_top_k else None,
+            generators=tuple(s.generator for s in seqs), all_greedy=all(p.temperature == 0 for p in params),
+            num_logprobs=max(asked) if asked else -1)
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        return self.sampler(logits, inputs.sampling)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
+        """One step: → (sequences that got a token, their sampler output)."""
+        inputs = self.prepare_step(batch)
+        hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sample_seqs:
+            return [], None
+        return inputs.sample_seqs, self.sample(hidden, inputs)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)

@@ -1,0 +1,130 @@
+"""Which sequences run this step, and how many of their tokens (chunked prefill, SplitFuse style).
+
+Each step fills a budget of `max_num_batched_tokens` tokens and `max_num_seqs` sequences:
+1. running sequences, decodes first (one token each), then the next chunk of those still prefilling;
+   when a running sequence cannot get a page, the newest running sequence is preempted (its pages are
+   freed and it is recomputed later, resuming exactly where it was);
+2. then waiting sequences in arrival order (FCFS), each with as much of its prompt as the budget
+   allows, after taking whatever the prefix cache already holds. A waiting sequence that does not fit
+   stops admission (FCFS: nothing behind it overtakes it).
+Prefill and decode tokens share one step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per sequence
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---------------------------------------------------------------- the step
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, n):
+                victim = self.running[-1]
+                budget += self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.allocate(seq, n)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        if not batch.preempted:  # after preempting, let the freed pages go to the running ones first
+            budget = self._admit_waiting(batch, budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.block_manager.cached_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            assert n >= 1
+            if not self.block_manager.can_allocate(seq, n, hits):
+                break
+            self.block_manager.allocate(seq, n, hits)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return budget
+
+    def _preempt(self, victim: Sequence, batch: ScheduledBatch) -> int:
+        """Free the victim's pages and requeue it first in line; returns the budget it gave back."""
+        refund = 0
+        if victim in batch.seqs:
+            i = batch.seqs.index(victim)
+            batch.seqs.pop(i)
+            refund = batch.num_new_tokens.pop(i)
+        self.running.remove(victim)
+        self.block_manager.free(victim)  # also resets num_computed_tokens: it will be recomputed
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        batch.preempted.append(victim)
+        return refund
+
+    def update_computed(self, batch: ScheduledBatch) -> None:
+        """After the model ran: the scheduled tokens have K/V; full pages enter the prefix cache."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= seq.num_tokens
+            self.block_manager.cache_full_blocks(seq)
+
+    # ---------------------------------------------------------------- leaving
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish `seq` (a stop, a length cap, an abort) and free its pages now."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

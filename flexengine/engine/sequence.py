@@ -1,0 +1,82 @@
+"""A sequence (one completion being generated) and a request (a prompt and its n sequences)."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"    # not admitted, or preempted (its pages were freed; it will be recomputed)
+    RUNNING = "running"    # holds pages; prefilling in chunks or decoding
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids (prompt then generated), how many of them have K/V in the cache, and the pages holding them."""
+    request_id: str
+    index: int                             # which of the request's n completions
+    token_ids: list[int]                   # prompt + generated so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0           # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0             # of those, how many came from the prefix cache at admission
+    num_hashed_blocks: int = 0             # leading pages already walked by the prefix cache
+    chain_hash: int | None = None          # prefix-cache hash of page num_hashed_blocks - 1
+    chain_serial: int | None = None        # serial of the cached page holding that content (-1: chain broken)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # per-sequence RNG when params.seed is set
+    detokenizer: object = None
+    text: str = ""
+    logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}.{self.index}, {self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, pages={self.block_table})")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

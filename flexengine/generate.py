@@ -1,0 +1,75 @@
+"""`flexengine generate PROMPT...`: generate text with the offline engine.
+
+One prompt streams its text as it is generated; several show a progress bar, then each result.
+--json prints one JSON object per prompt (a list) instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text; several run as one batch")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory or hub id (default: the embedded tiny model)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass")
+    parser.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed (reproducible output)")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeat for several)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of text")
+    parser.add_argument("--dtype", default="auto", help="weights and KV dtype: auto, float32, bfloat16, float16")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    parser.add_argument("--attention-backend", default=None, choices=["flex", "flash", "reference", "auto"],
+                        help="attention backend (default: FLEXENGINE_ATTENTION_BACKEND, else auto)")
+    parser.add_argument("--enforce-eager", action="store_true", help="never compile or capture CUDA graphs")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output per request")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pages (default: sized from memory)")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV cache page")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help="token budget of one engine step (chunked prefill)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of GPU memory for weights, activations and KV cache")
+
+
+def main(args: argparse.Namespace) -> int:
+    from . import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                            ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+              enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+              block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.json:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+        print(json.dumps([{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
+                           "finish_reason": o.outputs[0].finish_reason} for o in outputs], indent=2))
+    elif len(args.prompts) == 1:
+        stream(llm, args.prompts[0], params)
+    else:
+        for out in llm.generate(args.prompts, params, use_tqdm=True):
+            print(f"--- {out.prompt!r}\n{out.outputs[0].text}")
+    return 0
+
+
+def stream(llm, prompt: str, params) -> None:
+    """Step the engine by hand and print each new piece of text as soon as it exists."""
+    engine = llm.llm_engine
+    engine.add_request("cli", prompt, params)
+    shown = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+    sys.stdout.write("\n")

@@ -1,0 +1,107 @@
+"""Token sampling on the device: temperature, min-p, top-k, top-p, then an exponential race.
+
+Sampling from p is done as argmax(p / E) with E ~ Exp(1) i.i.d. per token (the Gumbel-max trick in
+another form). A row with a seed draws E from its own torch.Generator, so its tokens depend only on
+its seed and its logits, never on which other requests share the batch. Nothing here syncs with the
+host; the caller's single `.tolist()` of the ids is the step's only sync.
+
+Logprobs are those of the raw model distribution (vLLM's default), with the chosen token's rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one step, already on the device."""
+    temperature: torch.Tensor               # float32 [N]; 0 → greedy
+    top_k: torch.Tensor | None = None       # int64 [N]; vocab size where disabled; None: no row uses it
+    top_p: torch.Tensor | None = None       # float32 [N]; 1 where disabled
+    min_p: torch.Tensor | None = None       # float32 [N]; 0 where disabled
+    generators: tuple = ()                  # per row: torch.Generator or None (then the sampler's own)
+    all_greedy: bool = False
+    num_logprobs: int = -1                  # largest `logprobs` of the step's rows; -1: none asked
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                 # int64 [N]
+    logprob: torch.Tensor | None = None     # float32 [N]: the chosen token's logprob
+    rank: torch.Tensor | None = None        # int64 [N]: its rank (1 = most likely)
+    top_ids: torch.Tensor | None = None     # int64 [N, K]
+    top_logprobs: torch.Tensor | None = None  # float32 [N, K]
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return logits / t[:, None]
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(-1)
+    threshold = min_p[:, None] * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep the top_k most likely tokens, then the smallest head of them whose mass reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    V = logits.shape[-1]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop |= torch.arange(V, device=logits.device)[None, :] >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+        drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_noise(shape, device, generators, default: torch.Generator | None) -> torch.Tensor:
+    q = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=default)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            q[row].exponential_(generator=gen)  # this row's draw depends on its seed alone
+    return q
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int):
+    logp = logits.float().log_softmax(-1)
+    chosen = logp.gather(-1, token_ids[:, None])
+    rank = (logp >= chosen).sum(-1)  # ties count as ahead, as vLLM does
+    top = logp.topk(k, dim=-1) if k > 0 else None
+    return (chosen[:, 0], rank, top.indices if top is not None else token_ids[:, :0],
+            top.values if top is not None else logp[:, :0])
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator  # for rows without their own seed
+
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        """logits float32 [N, V] → one token per row."""
+        raw = logits
+        greedy_ids = logits.argmax(-1)
+        if t.all_greedy:
+            ids = greedy_ids
+        else:
+            x = apply_temperature(logits, t.temperature)
+            if t.min_p is not None:
+                x = apply_min_p(x, t.min_p)
+            if t.top_k is not None or t.top_p is not None:
+                x = apply_top_k_top_p(x, t.top_k, t.top_p)
+            probs = x.softmax(-1)
+            q = exponential_noise(probs.shape, probs.device, t.generators, self.generator)
+            sampled = (probs / q.clamp_min(1e-20)).argmax(-1)
+            ids = torch.where(t.temperature > 0, sampled, greedy_ids)
+        out = SamplerOutput(token_ids=ids)
+        if t.num_logprobs >= 0:
+            out.logprob, out.rank, out.top_ids, out.top_logprobs = compute_logprobs(raw, ids, t.num_logprobs)
+        return out

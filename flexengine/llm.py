@@ -1,0 +1,79 @@
+"""LLM: the offline API, a drop-in for vLLM's `LLM(...).generate(...)`."""
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from .engine.llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype="auto", device: str = "auto",
+                 block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = True,
+                 attention_backend: str | None = None, enforce_eager: bool = False, seed: int = 0,
+                 mask_mod=None, score_mod=None):
+        self.config = EngineConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend, enforce_eager=enforce_eager, seed=seed,
+            mask_mod=mask_mod, score_mod=score_mod)
+        self.llm_engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; the outputs come back in the order of `prompts`.
+
+        A prompt is a str or {"prompt_token_ids": [...]}; `prompts` is one prompt or a list of them.
+        `sampling_params` is one SamplingParams for all, or a list with one per prompt.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        for rid in list(engine.requests):  # left over from an interrupted call: not ours to finish
+            engine.abort_request(rid)
+
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except ValueError:
+            for rid in ids:  # an invalid prompt rejects the whole call; undo the ones queued before it
+                engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine, results = self.llm_engine, {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        generated = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{generated} tokens out", refresh=False)
+        bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,233 @@
+"""The generic pre-norm decoder every family here is a configuration of.
+
+A family file turns its transformers config into a `DecoderSpec`; `DecoderForCausalLM` builds the
+modules with the checkpoint's names (model.embed_tokens, model.layers.N.self_attn..., lm_head), with
+q/k/v and gate/up fused into one matmul each (the loader fills them from the separate tensors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..attention.layer import Attention
+from ..attention.metadata import AttentionMetadata
+from ..layers.activation import ActAndMul
+from ..layers.linear import MergedLinear
+from ..layers.norms import RMSNorm
+from ..layers.rotary import RotaryEmbedding, apply_rotary
+from ..masks import causal, sliding_window, softcap
+
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types values
+
+
+@dataclass
+class DecoderSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    activation: str
+    layer_types: list[str]                 # one of FULL / SLIDING per layer
+    rope: dict[str, dict]                  # layer type → transformers rope_parameters dict
+    sliding_window: int | None = None
+    attn_scale: float | None = None        # None → head_dim ** -0.5
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False           # Gemma: norms after attention and MLP as well as before
+    norm_unit_offset: bool = False         # Gemma: RMSNorm weight stored as w - 1
+    embed_scale: float | None = None       # Gemma: embeddings times sqrt(hidden), rounded to the dtype
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    tie_word_embeddings: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    def __post_init__(self):
+        assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
+        assert set(self.layer_types) <= {FULL, SLIDING}, self.layer_types
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise ValueError("config has sliding_attention layers but no sliding_window")
+        for kind in set(self.layer_types):
+            assert kind in self.rope, f"no rope parameters for {kind}"
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, spec: DecoderSpec, attn: Attention):
+        super().__init__()
+        Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size, self.head_dim = Hq * D, Hkv * D, D
+        self.qkv_proj = MergedLinear(spec.hidden_size, {"q_proj": Hq * D, "k_proj": Hkv * D, "v_proj": Hkv * D},
+                                     bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(Hq * D, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(D, spec.rms_norm_eps, spec.norm_unit_offset)
+            self.k_norm = RMSNorm(D, spec.rms_norm_eps, spec.norm_unit_offset)
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(T, -1, self.head_dim), k.view(T, -1, self.head_dim), v.view(T, -1, self.head_dim)
+        if hasattr(self, "q_norm"):  # per head, before rotary (Qwen3, Gemma 3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        I = spec.intermediate_size  # noqa: E741
+        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate_proj": I, "up_proj": I}, bias=spec.mlp_bias)
+        self.act = ActAndMul(spec.activation)
+        self.down_proj = nn.Linear(I, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_type: str, attn: Attention):
+        super().__init__()
+        norm = lambda: RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_unit_offset)  # noqa: E731
+        self.layer_type = layer_type
+        self.self_attn = DecoderAttention(spec, attn)
+        self.mlp = DecoderMLP(spec)
+        self.input_layernorm = norm()
+        # Llama's post_attention_layernorm is the pre-MLP norm; Gemma's really follows attention.
+        self.post_attention_layernorm = norm()
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    def forward(self, x, cos, sin, meta):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def make_attention_layers(spec: DecoderSpec) -> list[Attention]:
+    """One Attention per layer; every layer of a kind shares the SAME mask/score objects, so the
+    metadata builder makes one BlockMask per kind and step, not one per layer."""
+    scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim ** -0.5
+    score = softcap(spec.attn_softcap) if spec.attn_softcap is not None else None
+    masks = {FULL: (causal, "global")}
+    if SLIDING in spec.layer_types:
+        masks[SLIDING] = (sliding_window(spec.sliding_window), "sliding")
+    return [Attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, mask_mod=masks[t][0],
+                      score_mod=score, kind=masks[t][1]) for t in spec.layer_types]
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        attns = make_attention_layers(spec)
+        self.layers = nn.ModuleList(DecoderLayer(spec, t, a) for t, a in zip(spec.layer_types, attns))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_unit_offset)
+        # One rotary per distinct rope_parameters (Gemma 3's local layers use another theta).
+        kinds = sorted(set(spec.layer_types))
+        self.rope_key = {t: next(k for k in kinds if spec.rope[k] == spec.rope[t]) for t in kinds}
+        self.rotary = nn.ModuleDict({k: RotaryEmbedding(spec.head_dim, spec.rope[k]) for k in set(self.rope_key.values())})
+        self.embed_scale_value = spec.embed_scale
+        self.embed_scale: float | None = None  # set by reset_buffers, once the dtype is known
+
+    def reset_buffers(self) -> None:
+        for rope in self.rotary.values():
+            rope.reset_buffers()
+        if self.embed_scale_value is not None:
+            # transformers multiplies by the normalizer cast to the weights' dtype (sqrt(3072) → 55.5 in bf16).
+            self.embed_scale = float(torch.tensor(self.embed_scale_value, dtype=self.embed_tokens.weight.dtype))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
+        for layer in self.layers:
+            cos, sin = rope[self.rope_key[layer.layer_type]]
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    """model(input_ids [T], positions [T], meta) → hidden [T, H]; compute_logits(rows) → fp32 logits."""
+
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def reset_buffers(self) -> None:
+        """Rebuild non-checkpoint state (rotary frequencies, embedding scale) on the current device."""
+        self.model.reset_buffers()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        logits = nn.functional.linear(hidden, weight)
+        if self.spec.final_softcap is not None:  # in the model dtype, as transformers does
+            cap = self.spec.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The config's rope dict (transformers 5's rope_parameters, or 4.x's rope_theta + rope_scaling)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params[layer_type] if layer_type is not None else params)
+    rope = dict(getattr(config, "rope_scaling", None) or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope["rope_theta"] = config.rope_theta
+    return rope
+
+
+def base_spec(config, **overrides) -> DecoderSpec:
+    """The fields every family reads the same way; `overrides` sets the family's own."""
+    n = config.num_hidden_layers
+    heads = config.num_attention_heads
+    fields = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        rms_norm_eps=config.rms_norm_eps, activation=getattr(config, "hidden_act", "silu"),
+        layer_types=[FULL] * n, rope={FULL: rope_parameters(config)},
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+    fields.update(overrides)
+    return DecoderSpec(**fields)
+
+
+def config_layer_types(config, default_rule) -> list[str]:
+    """config.layer_types when the config has it (transformers 5 always fills it), else the family's rule."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        types = [default_rule(i) for i in range(config.num_hidden_layers)]
+    types = list(types)[: config.num_hidden_layers]
+    if len(types) != config.num_hidden_layers or not set(types) <= {FULL, SLIDING}:
+        raise ValueError(f"layer_types must list {FULL!r} or {SLIDING!r} for each of the "
+                         f"{config.num_hidden_layers} layers, got {types}")
+    return types

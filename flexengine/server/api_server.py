@@ -1,0 +1,266 @@
+"""`flexengine serve [MODEL]`: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics. Requests join the
+engine's running batch through AsyncEngine; a client that goes away has its request aborted.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import os
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flexengine.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestGroup
+from flexengine.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, random_id)
+from flexengine.server import responses
+
+DISCONNECT_POLL_S = 0.05
+
+
+class ApiError(Exception):
+    """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.param, self.type, self.code), status_code=self.status)
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """The first pydantic error as a 400 naming its field ("body" and union-member tags stripped)."""
+    err = exc.errors()[0]
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    if err.get("type") == "json_invalid":
+        return ApiError(400, f"Invalid JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
+    if not loc:
+        return ApiError(400, f"Invalid request body: {err['msg']}")
+    return ApiError(400, f"Invalid value for '{'.'.join(loc)}': {err['msg']}", param=loc[0])
+
+
+@asynccontextmanager
+async def abort_on_disconnect(raw: Request, group: RequestGroup):
+    """Abort the group when the client goes away (or the handler exits early), so its pages free now.
+
+    Polls because a non-streaming handler writes nothing until the end, so nothing else would notice.
+    """
+    async def watch():
+        while not group.finished:
+            if await raw.is_disconnected():
+                group.abort()
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        group.abort()  # no-op when every request finished
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              model_root: str | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="flexengine", lifespan=lifespan)
+    tokenizer = engine.engine.tokenizer
+    max_model_len = engine.engine.max_model_len
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)  # FastAPI would answer 422; OpenAI answers 400
+    async def on_validation_error(_, exc: RequestValidationError):
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_, exc: StarletteHTTPException):
+        return ApiError(exc.status_code, str(exc.detail), code=exc.status_code).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(_, exc: EngineDeadError):
+        return ApiError(500, str(exc), type_="server_error").response()
+
+    async def check_api_key(raw: Request):
+        if api_key is None:
+            return
+        given = raw.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                           code="invalid_api_key")
+
+    def check_request(body) -> None:
+        if body.model is not None and body.model != model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist.", param="model",
+                           code="model_not_found")
+        unsupported = body.unsupported_field()
+        if unsupported is not None:
+            raise ApiError(400, f"'{unsupported}' is not supported by this server.", param=unsupported)
+
+    def sampling_params(body, default_max_tokens, logprobs):
+        try:
+            return body.to_sampling_params(default_max_tokens, logprobs)
+        except ValueError as e:  # SamplingParams names the field first
+            raise ApiError(400, str(e), param=str(e).split()[0]) from e
+
+    async def submit(prompts: list, params, prompt_param: str) -> RequestGroup:
+        try:
+            group = engine.add_requests(prompts, params)
+        except EngineOverloadedError as e:
+            raise ApiError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded") from e
+        try:
+            await group.wait_added()
+        except ValueError as e:  # the engine refused a prompt (too long, token id out of range, ...)
+            raise ApiError(400, str(e), param=prompt_param) from e
+        except BaseException:
+            group.abort()
+            raise
+        return group
+
+    def sse(chunks, raw: Request, group: RequestGroup) -> StreamingResponse:
+        async def body():
+            async with abort_on_disconnect(raw, group):
+                async for chunk in chunks:
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def collect(raw: Request, group: RequestGroup) -> list | None:
+        """The final RequestOutput of each prompt, or None when the client left before the end."""
+        final = [None] * len(group.request_ids)
+        async with abort_on_disconnect(raw, group):
+            async for i, output in group.outputs():
+                final[i] = output
+        return None if group.aborted else final
+
+    router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @router.get("/models")
+    async def list_models():
+        return ModelList(data=[ModelCard(id=model_name, root=model_root, max_model_len=max_model_len)])
+
+    @router.post("/completions")
+    async def create_completion(body: CompletionRequest, raw: Request):
+        check_request(body)
+        params = sampling_params(body, 16, body.logprobs)  # OpenAI's default max_tokens is 16
+        prompts = body.prompt_list()
+        if not prompts:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        group = await submit(prompts, params, "prompt")
+        writer = responses.CompletionWriter(random_id("cmpl"), model_name, body.n, body.logprobs, tokenizer)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return sse(writer.stream(group.outputs(), usage), raw, group)
+        final = await collect(raw, group)
+        return Response(status_code=499) if final is None else writer.response(final)
+
+    @router.post("/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        check_request(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        try:
+            prompt_ids = responses.apply_chat_template(tokenizer, body)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from e
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        # Without max_tokens a chat reply may use the rest of the context (vLLM's default).
+        params = sampling_params(body, max(1, max_model_len - len(prompt_ids)), body.engine_logprobs())
+        group = await submit([{"prompt_token_ids": prompt_ids}], params, "messages")
+        writer = responses.ChatWriter(random_id("chatcmpl"), model_name, body.n, body.top_logprobs or 0,
+                                      tokenizer)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return sse(writer.stream(group.outputs(), usage), raw, group)
+        final = await collect(raw, group)
+        return Response(status_code=499) if final is None else writer.response(final[0])
+
+    app.include_router(router)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            raise ApiError(503, f"engine is not running: {engine.error!r}", type_="server_error")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        snap = engine.snapshot
+        text = engine.metrics.render(
+            running=engine.num_in_flight - engine.num_waiting, waiting=engine.num_waiting,
+            free_blocks=snap.num_free_blocks, total_blocks=snap.num_total_blocks)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens", "enable_prefix_caching", "attention_backend", "enforce_eager",
+                "gpu_memory_utilization", "seed")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model directory or hub id (default: the embedded tiny model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 (also FLEXENGINE_API_KEY)")
+    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests allowed to wait beyond --max-num-seqs; past that the server answers 429")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    engine = parser.add_argument_group("engine (unset → EngineConfig's default)")
+    engine.add_argument("--dtype", default=None)
+    engine.add_argument("--device", default=None)
+    engine.add_argument("--block-size", type=int, default=None)
+    engine.add_argument("--num-kv-blocks", type=int, default=None)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=None)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    engine.add_argument("--attention-backend", default=None, choices=["flex", "flash", "reference", "auto"])
+    engine.add_argument("--enforce-eager", action="store_true", default=None)
+    engine.add_argument("--seed", type=int, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from flexengine.config import EngineConfig
+    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None})
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+    from flexengine.engine.llm_engine import LLMEngine
+
+    # TODO(lead): move to flexengine/config.py as `env_api_key()`; env vars belong there.
+    api_key = args.api_key or os.environ.get("FLEXENGINE_API_KEY") or None
+    if args.max_waiting_requests < 0:
+        raise SystemExit("--max-waiting-requests must be >= 0")
+    config = engine_config_from_args(args)
+    llm_engine = LLMEngine(config)
+    engine = AsyncEngine(llm_engine, config.max_num_seqs, args.max_waiting_requests)
+    model_name = args.served_model_name or args.model or "default"
+    app = build_app(engine, model_name, api_key, model_root=args.model)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0

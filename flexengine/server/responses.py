@@ -1,0 +1,150 @@
+"""Engine outputs → OpenAI response bodies and stream chunks (completions and chat)."""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from flexengine.outputs import CompletionOutput, Logprob, RequestOutput
+from flexengine.server.protocol import (
+    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionResponse, DeltaMessage,
+    TokenLogprob, TopLogprob, UsageInfo)
+
+
+def apply_chat_template(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """Prompt token ids from the tokenizer's chat template; ValueError when there is none or it fails."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+    from jinja2 import TemplateError
+    messages = [m.as_template_input() for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=body.add_generation_prompt)
+    except TemplateError as e:  # e.g. a template that insists on alternating roles
+        raise ValueError(f"chat template rejected the messages: {e}") from e
+    # The template already wrote any BOS; do not let the tokenizer add another.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def usage_of(finals: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals if o is not None)
+    completion = sum(len(c.token_ids) for o in finals if o is not None for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def token_text(tokenizer, token_id: int, logprob: Logprob | None) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def ranked(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The top-k entries of one token's logprob dict, most likely first."""
+    items = sorted(entries.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                                     -kv[1].logprob))
+    return items[:k]
+
+
+class DeltaTracker:
+    """What each choice gained since the last chunk (engine text and token ids are cumulative)."""
+
+    def __init__(self):
+        self.text_len: dict[int, int] = {}
+        self.num_tokens: dict[int, int] = {}
+        self.done: set[int] = set()
+
+    def step(self, index: int, c: CompletionOutput) -> tuple[str, int, int] | None:
+        """(new text, first new token, end) or None when this choice has nothing new to send."""
+        if index in self.done:
+            return None
+        start_tok = self.num_tokens.get(index, 0)
+        if len(c.token_ids) == start_tok and c.finish_reason is None:
+            return None
+        start_text = self.text_len.get(index, 0)
+        self.text_len[index], self.num_tokens[index] = len(c.text), len(c.token_ids)
+        if c.finish_reason is not None:
+            self.done.add(index)
+        return c.text[start_text:], start_tok, len(c.token_ids)
+
+
+class CompletionWriter:
+    def __init__(self, request_id: str, model: str, n: int, logprobs: int | None, tokenizer):
+        self.id, self.model, self.n, self.logprobs, self.tokenizer = request_id, model, n, logprobs, tokenizer
+
+    def _logprobs(self, c: CompletionOutput, start: int, end: int, text_offset: int) -> CompletionLogprobs | None:
+        if self.logprobs is None or c.logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        for tid, entries in zip(c.token_ids[start:end], c.logprobs[start:end]):
+            token = token_text(self.tokenizer, tid, entries.get(tid))
+            out.tokens.append(token)
+            out.token_logprobs.append(entries[tid].logprob)
+            out.top_logprobs.append({token_text(self.tokenizer, t, lp): lp.logprob
+                                     for t, lp in ranked(entries, max(self.logprobs, 1))})
+            out.text_offset.append(text_offset)
+            text_offset += len(token)
+        return out
+
+    def response(self, finals: list[RequestOutput]) -> CompletionResponse:
+        choices = [CompletionChoice(index=i * self.n + c.index, text=c.text, finish_reason=c.finish_reason,
+                                    logprobs=self._logprobs(c, 0, len(c.token_ids), 0))
+                   for i, output in enumerate(finals) for c in output.outputs]
+        return CompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of(finals))
+
+    async def stream(self, outputs: AsyncIterator, include_usage: bool) -> AsyncIterator[CompletionResponse]:
+        tracker, last = DeltaTracker(), {}
+        async for i, output in outputs:
+            last[i] = output
+            for c in output.outputs:
+                index = i * self.n + c.index
+                offset = tracker.text_len.get(index, 0)
+                delta = tracker.step(index, c)
+                if delta is None:
+                    continue
+                text, start, end = delta
+                choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason,
+                                          logprobs=self._logprobs(c, start, end, offset))
+                yield CompletionResponse(id=self.id, model=self.model, choices=[choice])
+        if include_usage:
+            yield CompletionResponse(id=self.id, model=self.model, choices=[], usage=usage_of(list(last.values())))
+
+
+class ChatWriter:
+    def __init__(self, request_id: str, model: str, n: int, top_logprobs: int, tokenizer):
+        self.id, self.model, self.n, self.top, self.tokenizer = request_id, model, n, top_logprobs, tokenizer
+
+    def _entry(self, token_id: int, lp: Logprob) -> dict:
+        token = token_text(self.tokenizer, token_id, lp)
+        return dict(token=token, logprob=lp.logprob, bytes=list(token.encode("utf-8")))
+
+    def _logprobs(self, c: CompletionOutput, start: int, end: int) -> ChatLogprobs | None:
+        if c.logprobs is None:
+            return None
+        content = [TokenLogprob(**self._entry(tid, entries[tid]),
+                                top_logprobs=[TopLogprob(**self._entry(t, lp)) for t, lp in ranked(entries, self.top)])
+                   for tid, entries in zip(c.token_ids[start:end], c.logprobs[start:end])]
+        return ChatLogprobs(content=content)
+
+    def response(self, final: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              finish_reason=c.finish_reason, logprobs=self._logprobs(c, 0, len(c.token_ids)))
+                   for c in final.outputs]
+        return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of([final]))
+
+    async def stream(self, outputs: AsyncIterator, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
+        # OpenAI opens every choice with the assistant role and empty content.
+        for index in range(self.n):
+            choice = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            yield ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])
+        tracker, last = DeltaTracker(), None
+        async for _, output in outputs:
+            last = output
+            for c in output.outputs:
+                delta = tracker.step(c.index, c)
+                if delta is None:
+                    continue
+                text, start, end = delta
+                choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text),
+                                          finish_reason=c.finish_reason, logprobs=self._logprobs(c, start, end))
+                yield ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])
+        if include_usage:
+            yield ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage_of([last]))

@@ -1,0 +1,96 @@
+"""Tokenizer loading, streaming detokenization, and the byte-level tokenizer of the built-in models."""
+from __future__ import annotations
+
+import os
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")  # ids 256, 257, 258, after the 256 byte symbols
+BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIALS)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """AutoTokenizer for a checkpoint directory that has tokenizer files, else None."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+class IncrementalDetokenizer:
+    """Feed generated token ids one at a time; `add` returns the new text they complete.
+
+    Decodes a short window (a few tokens of context before the unread ones, so tokenizers that
+    glue words with spaces decode the same as in full text). Text that ends in U+FFFD is a UTF-8
+    sequence split across tokens: it is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.ids = [int(t) for t in prompt_ids]
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        # A prompt may end inside a character; its broken tail belongs to the text still to come.
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset]).rstrip("\ufffd")
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is still held back (possibly with U+FFFD)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map: printable Latin-1 bytes map to themselves, the rest
+    to code points from 256 up, so every byte is one visible symbol."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def build_byte_tokenizer():
+    """A PreTrainedTokenizerFast over raw UTF-8 bytes: ids 0-255 are bytes, then <bos> <eos> <pad>.
+    No merges, so any text encodes and every id sequence decodes."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in BYTE_SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", 256)])
+    assert tok.get_vocab_size() == BYTE_VOCAB_SIZE
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
+
+
+def save_byte_tokenizer(out_dir: str) -> None:
+    build_byte_tokenizer().save_pretrained(out_dir)

@@ -1,0 +1,81 @@
+"""`flexengine bench serve` against a real `flexengine serve` on loopback: the report is complete and
+its numbers add up (fixed lengths through ignore_eos and max_tokens)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from flexengine import cli  # noqa: E402
+from test_server import launch_server, stop_server, wait_ready  # noqa: E402
+
+API_KEY = "sk-bench"
+REPORT_LABELS = [
+    "Successful requests:", "Failed requests:", "Benchmark duration (s):", "Total input tokens:",
+    "Total generated tokens:", "Request throughput (req/s):", "Output token throughput (tok/s):",
+    "Total Token throughput (tok/s):",
+    "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):",
+    "Mean TPOT (ms):", "Median TPOT (ms):", "P99 TPOT (ms):",
+    "Mean ITL (ms):", "Median ITL (ms):", "P99 ITL (ms):",
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url, log = launch_server("--api-key", API_KEY)
+    try:
+        wait_ready(proc, url, log)
+        yield url
+    finally:
+        stop_server(proc)
+
+
+def parse_report(out: str) -> dict[str, float]:
+    assert "============ Serving Benchmark Result ============" in out
+    assert out.rstrip().endswith("=" * 50)
+    values = {}
+    for label in REPORT_LABELS:
+        match = re.search(re.escape(label) + r"\s+(\S+)", out)
+        assert match, f"report line missing: {label}\n{out}"
+        values[label] = float(match.group(1))
+    return values
+
+
+def run_bench(capsys, *args: str) -> dict[str, float]:
+    assert cli.main(["bench", "serve", *args]) == 0
+    return parse_report(capsys.readouterr().out)
+
+
+def test_bench_serve_report_all_at_once(server, capsys, tmp_path):
+    json_out = tmp_path / "bench.json"
+    report = run_bench(capsys, "--base-url", server, "--api-key", API_KEY, "--num-prompts", "8",
+                       "--input-len", "24", "--output-len", "6", "--json-out", str(json_out))
+    assert report["Successful requests:"] == 8 and report["Failed requests:"] == 0
+    assert report["Total input tokens:"] == 8 * 24
+    assert report["Total generated tokens:"] == 8 * 6   # ignore_eos + max_tokens fix the length
+    assert report["Benchmark duration (s):"] > 0
+    assert report["Request throughput (req/s):"] == pytest.approx(8 / report["Benchmark duration (s):"], rel=0.05)
+    for key in ("TTFT", "TPOT", "ITL"):
+        assert 0 < report[f"Mean {key} (ms):"] and report[f"Median {key} (ms):"] <= report[f"P99 {key} (ms):"]
+    saved = json.loads(json_out.read_text())
+    assert saved["completed"] == 8 and len(saved["requests"]) == 8
+    assert all(len(r["itl"]) == 5 for r in saved["requests"])  # one chunk per generated token
+
+
+def test_bench_serve_poisson_chat_with_concurrency_cap(server, capsys):
+    report = run_bench(capsys, "--base-url", server, "--api-key", API_KEY, "--endpoint", "/v1/chat/completions",
+                       "--num-prompts", "6", "--input-len", "16", "--output-len", "4", "--request-rate", "20",
+                       "--max-concurrency", "2", "--seed", "3")
+    assert report["Successful requests:"] == 6
+    assert report["Total generated tokens:"] == 6 * 4
+
+
+def test_bench_serve_counts_failures(server, capsys):
+    # A wrong key: the initial probe fails and the benchmark stops with the server's error.
+    with pytest.raises(SystemExit, match="401"):
+        cli.main(["bench", "serve", "--base-url", server, "--api-key", "wrong", "--model", "default",
+                  "--num-prompts", "2", "--input-len", "4", "--output-len", "2"])

@@ -1,0 +1,116 @@
+"""The metadata builder on its own: the page map, the query placement, and the page lists."""
+import random
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attention_reference import PLAIN_MASKS
+from flexengine import masks
+from flexengine.attention.metadata import Q_TILE, build_metadata, build_phys_to_logical, page_lists, plan_layout
+
+
+def make_step(rng, reqs, P, spare=2):
+    seq_lens = [L for L, _ in reqs]
+    pages = [(L + P - 1) // P for L in seq_lens]
+    NB = sum(pages) + spare
+    order = list(range(NB))
+    rng.shuffle(order)
+    width = max(pages) + 1
+    tables, used = [], 0
+    for n in pages:
+        tables.append(order[used:used + n] + [rng.randrange(NB) for _ in range(width - n)])
+        used += n
+    layout = plan_layout([n for _, n in reqs], seq_lens)
+    meta = build_metadata(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+                          torch.empty(0, dtype=torch.long), layout, P, NB)
+    return meta, tables
+
+
+def test_phys_to_logical_ignores_garbage_entries():
+    bt = torch.tensor([[3, 1, 7, 7], [0, 2, 5, 6]], dtype=torch.int32)  # columns past the pages are garbage
+    p2l = build_phys_to_logical(bt, torch.tensor([20, 9]), 8, num_blocks=8)
+    assert p2l[3] == 0 and p2l[1] == 1 and p2l[7] == 2  # request 0: 3 pages
+    assert p2l[0] == 0 and p2l[2] == 1                  # request 1: 2 pages
+    assert p2l[5] == 0 and p2l[6] == 0                  # garbage never scattered
+
+
+def test_plan_layout_places_every_query_once():
+    query_lens, seq_lens = [1, 300, 1, 129, 2], [10, 300, 5, 200, 2]
+    lay = plan_layout(query_lens, seq_lens)
+    assert lay.num_decode == 2 and lay.num_tiles == 3 + 2 + 1
+    starts = np.cumsum([0] + query_lens[:-1])
+    assert list(lay.decode_src) == [starts[0], starts[2]]
+    written = sorted(list(lay.decode_dst) + [d for d in lay.prefill_dst if d < sum(query_lens)])
+    assert written == list(range(sum(query_lens)))
+    # a tile never holds two requests
+    tile_of_row = np.arange(lay.num_tiles * Q_TILE) // Q_TILE
+    for t in range(lay.num_tiles):
+        assert len(set(lay.prefill_req[tile_of_row == t])) == 1
+    # logical positions of request 3's queries: 71..199
+    rows = (lay.prefill_src >= starts[3]) & (lay.prefill_src < starts[3] + 129) & (lay.prefill_dst < sum(query_lens))
+    assert sorted(lay.prefill_pos[rows]) == list(range(71, 200))
+
+
+def test_padding_rows_write_to_the_spill_row():
+    lay = plan_layout([1, 5], [4, 5], pad_decode_to=4, pad_tiles_to=3)
+    assert lay.num_decode == 4 and lay.num_tiles == 3
+    assert list(lay.decode_dst[1:]) == [6, 6, 6]
+    assert not lay.tile_valid[1:4].any() and lay.tile_valid[4] and not lay.tile_valid[5:].any()
+
+
+CASE_LIST = [
+    ("causal", PLAIN_MASKS["causal"]),
+    ("bidirectional", PLAIN_MASKS["bidirectional"]),
+    (masks.sliding_window(5), PLAIN_MASKS["sliding_window"](5)),
+    (masks.sliding_window(40), PLAIN_MASKS["sliding_window"](40)),
+    (masks.chunked_local(24), PLAIN_MASKS["chunked_local"](24)),
+    (masks.prefix_lm(37), PLAIN_MASKS["prefix_lm"](37)),
+    (masks.and_masks("causal", masks.sliding_window(20)), PLAIN_MASKS["sliding_window"](20)),
+    (masks.or_masks(masks.sliding_window(8), masks.prefix_lm(4)),
+     lambda b, h, q, kv: 0 <= q - kv < 8 or kv <= q or kv < 4),
+    (lambda b, h, q, kv: kv <= q, PLAIN_MASKS["causal"]),  # no kv_bounds: every page partial
+]
+CASES = st.sampled_from(CASE_LIST)
+
+
+def check_page_lists(rng, P, case, reqs):
+    mask, plain = case
+    meta, tables = make_step(rng, reqs, P)
+    kv_num, kv_idx, full_num, full_idx = page_lists(meta, masks.get_mask_mod(mask), [])
+    lay = meta.layout
+    for t in range(lay.num_decode + lay.num_tiles):
+        b = int(lay.tile_req[t])
+        L = reqs[b][0]
+        own = tables[b][: (L + P - 1) // P]
+        partial = [int(x) for x in kv_idx[t, : kv_num[t]]]
+        full = [int(x) for x in full_idx[t, : full_num[t]]]
+        assert set(partial) <= set(own) and set(full) <= set(own), "a page of another request appears"
+        assert not set(partial) & set(full) and len(set(partial)) == len(partial) and len(set(full)) == len(full)
+        qs = range(int(lay.tile_q_lo[t]), int(lay.tile_q_hi[t]) + 1)
+        for lp, page in enumerate(own):
+            kvs = range(lp * P, min((lp + 1) * P, L))
+            allowed = [plain(b, 0, q, kv) for q in qs for kv in kvs]
+            if any(allowed):
+                assert page in partial or page in full, f"tile {t}: allowed logical page {lp} is missing"
+            if page in full:
+                assert all(allowed) and len(kvs) == P, f"tile {t}: page {lp} marked full but is not"
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([8, 16, 32]), CASES,
+       st.lists(st.tuples(st.integers(1, 300), st.sampled_from(["decode", "prefill", "chunk"])), min_size=1, max_size=5),
+       st.integers(0, 1000))
+def test_page_lists_cover_exactly_the_mask(P, case, shapes, seed):
+    rng = random.Random(seed)
+    reqs = [(L, {"decode": 1, "prefill": L, "chunk": rng.randint(1, L)}[kind]) for L, kind in shapes]
+    check_page_lists(rng, P, case, reqs)
+
+
+def test_page_lists_at_every_offset_within_a_page():
+    """Chunks starting at each position of a page: the boundary cases a random draw can miss."""
+    P = 8
+    reqs = [(ctx + n, n) for ctx in range(2 * P) for n in (1, 2, 9)]
+    for case in CASE_LIST:
+        check_page_lists(random.Random(0), P, case, reqs)

@@ -1,0 +1,205 @@
+"""Scheduler: budgets, decode-first packing, chunked prefill, preemption and recompute, with a simulated model.
+
+The simulated model writes a shadow K/V (the token prefix each slot was computed from) and "samples" a
+token that depends only on the sequence and its length, so a preempted and recomputed sequence must
+end with exactly the tokens it would have had without preemption.
+"""
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from flexengine.engine.block_manager import BlockManager
+from flexengine.engine.scheduler import Scheduler
+from flexengine.engine.sequence import Sequence, SequenceStatus
+from flexengine.sampling_params import SamplingParams
+from test_block_manager import Shadow
+
+
+def fake_token(seq):
+    return (seq.token_ids[0] * 7 + seq.num_tokens * 3) % 5
+
+
+class Sim:
+    """Scheduler + block manager + a fake model runner."""
+
+    def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, caching=True):
+        self.bm = BlockManager(num_blocks, block_size, caching)
+        self.sched = Scheduler(self.bm, max_num_seqs, max_tokens_per_step)
+        self.shadow = Shadow(num_blocks, block_size)
+        self.max_model_len = num_blocks * block_size
+        self.targets = {}
+        self.finished = []
+        self.last_batch = None
+
+    def add(self, prompt, max_new):
+        seq = Sequence(request_id=str(len(self.targets)), index=0, token_ids=list(prompt),
+                       num_prompt_tokens=len(prompt), params=SamplingParams())
+        # As the engine: stop at max_model_len, but a prompt that fills it still gets one token.
+        self.targets[seq.seq_id] = max(min(len(prompt) + max_new, self.max_model_len), len(prompt) + 1)
+        self.sched.add(seq)
+        return seq
+
+    def step(self):
+        running_before = list(self.sched.running)
+        batch = self.sched.schedule()
+        self.last_batch = batch
+        assert batch.num_tokens <= self.sched.max_num_batched_tokens
+        assert len(self.sched.running) <= self.sched.max_num_seqs
+        assert len(set(map(id, batch.seqs))) == len(batch.seqs)
+        # Decodes have priority: a prefill chunk of a running sequence only runs if every decode ran.
+        decodes = [s for s in running_before if s.status is SequenceStatus.RUNNING and s.num_uncomputed_tokens == 1]
+        prefilling = [s for s in batch.seqs if s in running_before and s.num_uncomputed_tokens > 1]
+        if prefilling:
+            assert all(s in batch.seqs for s in decodes)
+        for seq in batch.preempted:
+            assert seq.status is SequenceStatus.WAITING and seq.block_table == [] and seq not in batch.seqs
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            assert seq.status is SequenceStatus.RUNNING and n >= 1
+            assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens + n
+            self.shadow.check(seq)  # prefix-cache hits hold this sequence's own prefix
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                self.shadow.slots[seq.block_table[pos // self.bm.block_size]][pos % self.bm.block_size] = \
+                    tuple(seq.token_ids[:pos + 1])
+        self.sched.update_computed(batch)
+        for seq in batch.seqs:
+            if seq.num_computed_tokens == seq.num_tokens:  # prompt done: sample
+                seq.token_ids.append(fake_token(seq))
+                if seq.num_tokens >= self.targets[seq.seq_id]:
+                    self.sched.finish(seq, "length")
+                    self.finished.append(seq)
+        return batch
+
+    def check(self):
+        live = self.sched.running
+        self.bm.check_invariants(live)
+        for seq in live:
+            assert seq.status is SequenceStatus.RUNNING
+            self.shadow.check(seq)
+        for seq in self.sched.waiting:
+            assert seq.status is SequenceStatus.WAITING and seq.block_table == [] and seq.num_computed_tokens == 0
+        used = len({b for s in live for b in s.block_table})
+        assert used + self.bm.num_free_blocks() == self.bm.num_blocks
+
+    def drain(self, max_steps=2000):
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished():
+                return
+            self.step()
+            self.check()
+        raise AssertionError("requests never finished (livelock or starvation)")
+
+
+def expected_tokens(prompt, target):
+    seq = Sequence(request_id="x", index=0, token_ids=list(prompt), num_prompt_tokens=len(prompt), params=SamplingParams())
+    while seq.num_tokens < target:
+        seq.token_ids.append(fake_token(seq))
+    return seq.token_ids
+
+
+def test_chunked_prefill_and_mixed_step():
+    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=8)
+    a = sim.add(list(range(20)), 4)
+    batch = sim.step()
+    assert batch.num_new_tokens == [8] and a.num_computed_tokens == 8 and a.num_output_tokens == 0
+    sim.step()
+    batch = sim.step()  # the last 4 prompt tokens, then a new request fills the rest of the budget
+    b = sim.add([1, 2, 3, 4, 5, 6, 7, 8, 9], 3)
+    batch = sim.step()  # a decodes (1 token) + 7 tokens of b's prompt
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 7]
+    sim.drain()
+    assert a.token_ids == expected_tokens(range(20), 24)
+
+
+def test_decodes_go_before_prefill_chunks():
+    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=8)
+    a = sim.add([1, 2, 3], 10)
+    sim.step()
+    b = sim.add(list(range(30)), 2)
+    batch = sim.step()
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 7]
+    batch = sim.step()  # b is still prefilling: a's decode goes first, b gets the rest
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 7]
+    sim.drain()
+
+
+def test_max_num_seqs_limits_admission():
+    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=2, max_tokens_per_step=100)
+    seqs = [sim.add([i, i + 1], 5) for i in range(4)]
+    batch = sim.step()
+    assert batch.seqs == seqs[:2]
+    sim.drain()
+    assert all(s.is_finished for s in seqs)
+
+
+def test_preemption_recomputes_identically():
+    sim = Sim(num_blocks=6, block_size=2, max_num_seqs=8, max_tokens_per_step=16)
+    prompts = [[1, 2, 3], [4, 5], [1, 2, 3, 3], [2, 2]]
+    seqs = [sim.add(p, 6) for p in prompts]
+    sim.drain()
+    assert sim.sched.num_preemptions > 0
+    for seq, p in zip(seqs, prompts):
+        assert seq.token_ids == expected_tokens(p, sim.targets[seq.seq_id])
+    assert sim.bm.num_free_blocks() == 6
+
+
+def test_prefix_cache_hit_skips_computation():
+    sim = Sim(num_blocks=32, block_size=4, max_num_seqs=8, max_tokens_per_step=64)
+    a = sim.add(list(range(13)), 1)
+    sim.drain()
+    b = sim.add(list(range(12)) + [50], 1)
+    batch = sim.step()
+    assert b.num_cached_tokens == 12 and batch.num_new_tokens == [1]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.sim = None
+        self.prompts = {}
+
+    @rule(num_blocks=st.integers(3, 12), block_size=st.sampled_from([1, 2, 4]), max_num_seqs=st.integers(1, 5),
+          budget=st.integers(1, 12), caching=st.booleans())
+    @precondition(lambda self: self.sim is None)
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, caching):
+        self.sim = Sim(num_blocks, block_size, max_num_seqs, budget, caching)
+
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4], [3, 3]]),
+          suffix=st.lists(st.integers(0, 4), max_size=5), max_new=st.integers(1, 6))
+    @precondition(lambda self: self.sim is not None)
+    def add(self, prefix, suffix, max_new):
+        prompt = (prefix + suffix)[: self.sim.max_model_len]
+        if prompt:
+            seq = self.sim.add(prompt, max_new)
+            self.prompts[seq.seq_id] = (prompt, self.sim.targets[seq.seq_id], seq)
+
+    @rule()
+    @precondition(lambda self: self.sim is not None and self.sim.sched.has_unfinished())
+    def step(self):
+        self.sim.step()
+
+    @rule(pick=st.integers(0, 100))
+    @precondition(lambda self: self.sim is not None and self.sim.sched.has_unfinished())
+    def abort(self, pick):
+        live = list(self.sim.sched.running) + list(self.sim.sched.waiting)
+        seq = live[pick % len(live)]
+        self.sim.sched.finish(seq, "abort")
+        assert seq.block_table == [] and seq.is_finished
+        del self.prompts[seq.seq_id]
+
+    @invariant()
+    def consistent(self):
+        if self.sim is not None:
+            self.sim.check()
+
+    def teardown(self):
+        if self.sim is None:
+            return
+        self.sim.drain()
+        for prompt, target, seq in self.prompts.values():
+            assert seq.token_ids == expected_tokens(prompt, target)
+        assert self.sim.bm.num_free_blocks() == self.sim.bm.num_blocks
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                              suppress_health_check=list(HealthCheck))
+TestSchedulerMachine = SchedulerMachine.TestCase

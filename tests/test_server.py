@@ -1,0 +1,311 @@
+"""The OpenAI-compatible server, end to end: real `flexengine serve` processes on loopback ports, driven
+by the official `openai` client (and raw httpx where a malformed body must reach the server)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from flexengine.server.metrics import parse_metrics  # noqa: E402
+
+API_KEY = "sk-flexengine-test"
+ENV_API_KEY = "sk-from-env"
+MODEL = "default"
+MAX_TOKENS = 8
+PROMPTS = [f"The number {i} is" + " very" * (i % 7) for i in range(32)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(*args: str, env: dict | None = None):
+    """Start `flexengine serve` on a free loopback port; returns (process, base_url, log file)."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="flexengine-serve-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "flexengine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--uvicorn-log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def wait_ready(proc, base_url: str, log, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()}")
+        try:
+            if httpx.get(base_url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    log.seek(0)
+    pytest.fail(f"server not ready after {timeout}s:\n{log.read()}")
+
+
+def stop_server(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    response = httpx.get(base_url + "/metrics")
+    assert response.status_code == 200
+    return parse_metrics(response.text)
+
+
+def wait_idle(base_url: str, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = metrics(base_url)
+        if m["flexengine:num_requests_running"] == 0 and m["flexengine:num_requests_waiting"] == 0:
+            return m
+        time.sleep(0.05)
+    pytest.fail("server did not become idle")
+
+
+@pytest.fixture(scope="module")
+def offline_llm():
+    # Built first: it also builds the embedded default model, so the servers find it ready.
+    from flexengine import LLM
+    return LLM(seed=0)
+
+
+@pytest.fixture(scope="module")
+def servers(offline_llm):
+    """The main server (--api-key) and a tiny-limit one (key from FLEXENGINE_API_KEY), started together."""
+    main = launch_server("--api-key", API_KEY, "--seed", "0")
+    limited = launch_server("--max-num-seqs", "1", "--max-waiting-requests", "1",
+                            env={"FLEXENGINE_API_KEY": ENV_API_KEY})
+    try:
+        for proc, url, log in (main, limited):
+            wait_ready(proc, url, log)
+        yield main[1], limited[1]
+    finally:
+        for proc, _, _ in (main, limited):
+            stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def base_url(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def auth() -> dict:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def offline_greedy(llm, prompts, max_tokens=MAX_TOKENS):
+    from flexengine import SamplingParams
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [o.outputs[0] for o in outputs]
+
+
+# ---- happy paths ---------------------------------------------------------------------------------
+
+def test_health_and_models(base_url, client):
+    assert httpx.get(base_url + "/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_matches_offline(client, offline_llm):
+    expected = offline_greedy(offline_llm, [PROMPTS[3]])[0]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0)
+    choice = response.choices[0]
+    assert choice.text == expected.text
+    assert choice.finish_reason == expected.finish_reason
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.usage.prompt_tokens > 0
+
+
+def test_completion_stream_equals_non_stream(client):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[5], max_tokens=MAX_TOKENS, temperature=0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert len([c for c in chunks if c.choices]) > 1  # streamed token by token, not all at the end
+
+
+def test_completion_token_ids_prompt_n_and_logprobs(client):
+    response = client.completions.create(model=MODEL, prompt=[[72, 105, 33], [79, 75]], max_tokens=4, n=2,
+                                         temperature=1.0, seed=7, logprobs=2,
+                                         extra_body={"ignore_eos": True, "top_k": 20})
+    assert sorted(c.index for c in response.choices) == [0, 1, 2, 3]
+    assert response.usage.prompt_tokens == 5 and response.usage.completion_tokens == 16
+    for choice in response.choices:
+        assert len(choice.logprobs.tokens) == 4 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+        assert all(1 <= len(top) <= 2 for top in choice.logprobs.top_logprobs)
+
+
+def test_chat_completion_and_stream(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    # The chat template wraps the messages, so the prompt is longer than their text.
+    assert whole.usage.prompt_tokens > len("be brief") + len("hello there")
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_32_concurrent_requests_match_offline(base_url, offline_llm):
+    expected = offline_greedy(offline_llm, PROMPTS)
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0) as aclient:
+            return await asyncio.gather(*[
+                aclient.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+                for p in PROMPTS])
+
+    responses = asyncio.run(run())
+    assert [r.choices[0].text for r in responses] == [e.text for e in expected]
+    assert [r.usage.completion_tokens for r in responses] == [len(e.token_ids) for e in expected]
+
+
+# ---- continuous batching, disconnects ------------------------------------------------------------
+
+def test_new_request_joins_running_batch(base_url, client):
+    wait_idle(base_url)
+    long = client.completions.create(model=MODEL, prompt="long", max_tokens=400, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+    next(iter(long))  # the long request is running
+    short = client.completions.create(model=MODEL, prompt="short", max_tokens=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 2
+    # Had the server run requests one after another, the long one would be over by now.
+    assert metrics(base_url)["flexengine:num_requests_running"] == 1
+    long.close()
+    wait_idle(base_url)
+
+
+def test_client_disconnect_frees_pages(base_url):
+    idle = wait_idle(base_url)
+    idle_free = idle["flexengine:num_free_kv_blocks"]
+    aborted_before = idle.get('flexengine:request_success_total{finished_reason="abort"}', 0)
+    generated_before = idle["flexengine:generation_tokens_total"]
+    own = openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0)
+    stream = own.completions.create(model=MODEL, prompt="x" * 40, max_tokens=400, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert metrics(base_url)["flexengine:num_free_kv_blocks"] < idle_free  # the request holds pages
+    stream.close()
+    own.close()
+    deadline = time.monotonic() + 10
+    while metrics(base_url)["flexengine:num_free_kv_blocks"] != idle_free:
+        assert time.monotonic() < deadline, "pages not freed after the client disconnected"
+        time.sleep(0.02)
+    after = metrics(base_url)
+    assert after.get('flexengine:request_success_total{finished_reason="abort"}', 0) == aborted_before + 1
+    assert after["flexengine:generation_tokens_total"] - generated_before < 400  # stopped early
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', None),            # malformed JSON
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": "5"}', "max_tokens"),  # wrong type
+    ("/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', "temperature"),
+    ("/v1/completions", b'{"prompt": 5}', "prompt"),
+    ("/v1/completions", b'{"max_tokens": 5}', "prompt"),                       # missing field
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": -3}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', "top_p"),
+    ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',
+     "top_logprobs"),
+])
+def test_invalid_request_is_400(base_url, path, body, param):
+    response = httpx.post(base_url + path, content=body, headers={**auth(), "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    if param is not None:
+        assert param in error["message"]
+
+
+def test_too_long_prompt_is_400(base_url, client):
+    max_model_len = client.models.list().data[0].max_model_len
+    for path, body in (("/v1/completions", {"prompt": "a" * (max_model_len + 10)}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (max_model_len + 10)}]})):
+        response = httpx.post(base_url + path, json={"model": MODEL, "max_tokens": 4, **body}, headers=auth())
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(base_url + "/health").status_code == 200  # still serving
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert info.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_api_key_required(base_url):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(base_url + "/v1/completions", json=body).status_code == 401
+    wrong = httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(base_url + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(base_url + "/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(base_url + "/metrics").status_code == 200
+
+
+def test_load_limit_answers_429(servers):
+    limited = servers[1]
+    body = {"model": MODEL, "prompt": "busy", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(limited + "/v1/completions", json=body).status_code == 401  # key from the env var
+    headers = {"Authorization": f"Bearer {ENV_API_KEY}"}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=limited, headers=headers, timeout=120) as http:
+            return await asyncio.gather(*[http.post("/v1/completions", json=body) for _ in range(8)])
+
+    statuses = [r.status_code for r in asyncio.run(burst())]
+    # One running + one waiting fit; the rest arrive while those two are still generating.
+    assert statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
+    assert set(statuses) == {200, 429}, statuses
+    rejected = metrics(limited)["flexengine:request_rejected_total"]
+    assert rejected == statuses.count(429)
+    ok = httpx.post(limited + "/v1/completions", json={**body, "max_tokens": 2}, headers=headers)
+    assert ok.status_code == 200  # the limit is about load, not a broken server
