@@ -31,7 +31,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_KV_CACHE_BYTES = 256 << 20
 # On CPU, FlexAttention runs eagerly and materialises scores over the whole page pool, so the pool is
 # also capped in tokens (a larger pool costs time on every step, not only memory).
-CPU_MAX_KV_TOKENS = 1 << 15
+CPU_MAX_KV_TOKENS = 8192
 # A model config may advertise 128k+ positions; unless asked, serve at most this many per request.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 DTYPES = ("auto", "float32", "float16", "bfloat16")

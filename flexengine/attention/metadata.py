@@ -31,25 +31,34 @@ class StepLayout:
     query_lens: list[int]
     seq_lens: list[int]
     num_tokens: int
-    num_decode: int            # decode rows, padding included
+    num_decode: int            # decode requests, padding included
+    decode_splits: int         # split-KV: each decode request is this many rows over slices of its pages
     num_tiles: int             # prefill tiles, padding included
-    # Per tile (decode rows first, then prefill tiles): request, first and last logical query position.
+    # Per tile (decode rows first, num_decode * decode_splits of them, then prefill tiles): request,
+    # first and last logical query position, which split of the request's pages it reads.
     tile_req: np.ndarray
     tile_q_lo: np.ndarray
     tile_q_hi: np.ndarray
     tile_valid: np.ndarray
+    tile_split: np.ndarray
     # Per query row of the prefill call (num_tiles * Q_TILE rows).
     prefill_req: np.ndarray
     prefill_pos: np.ndarray
     prefill_src: np.ndarray    # packed token index to read the query from (padding reads token 0)
     prefill_dst: np.ndarray    # packed token index to write the output to (padding writes row num_tokens)
-    decode_src: np.ndarray
-    decode_dst: np.ndarray
+    decode_src: np.ndarray     # per decode row (num_decode * decode_splits)
+    decode_dst: np.ndarray     # per decode request
+
+
+def choose_decode_splits(num_decode: int, num_kv_heads: int, num_sms: int) -> int:
+    """Enough split-KV rows to give every SM about two (row, kv-head) programs; 1 at large batch."""
+    return max(1, min(32, (2 * num_sms) // max(1, num_decode * num_kv_heads)))
 
 
 def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int = 0,
-                pad_tiles_to: int = 0) -> StepLayout:
-    """Place each request's queries: query_len 1 → a decode row, longer → whole prefill tiles."""
+                pad_tiles_to: int = 0, decode_splits: int = 1) -> StepLayout:
+    """Place each request's queries: query_len 1 → decode rows, longer → whole prefill tiles."""
+    assert decode_splits >= 1
     ql = np.asarray(query_lens, dtype=np.int64)
     sl = np.asarray(seq_lens, dtype=np.int64)
     T = int(ql.sum())
@@ -61,7 +70,7 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
     Tp = max(int(tiles_per.sum()), pad_tiles_to)
 
     dec_pad = Bd - len(dec)
-    decode_src = np.concatenate([starts[dec], np.zeros(dec_pad, np.int64)])
+    decode_src = np.repeat(np.concatenate([starts[dec], np.zeros(dec_pad, np.int64)]), decode_splits)
     decode_dst = np.concatenate([starts[dec], np.full(dec_pad, T, np.int64)])
 
     # Prefill tiles: tile k of request i covers its queries k*Q_TILE .. (k+1)*Q_TILE - 1.
@@ -84,14 +93,18 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
 
     tile_pad = Tp - len(t_req)
     z = lambda n: np.zeros(n, np.int64)  # noqa: E731
-    dreq = np.concatenate([dec, z(dec_pad)])
-    dpos = np.concatenate([sl[dec] - 1, z(dec_pad)])
+    S = decode_splits
+    dreq = np.repeat(np.concatenate([dec, z(dec_pad)]), S)
+    dpos = np.repeat(np.concatenate([sl[dec] - 1, z(dec_pad)]), S)
     return StepLayout(
-        query_lens=[int(x) for x in ql], seq_lens=[int(x) for x in sl], num_tokens=T, num_decode=Bd, num_tiles=Tp,
+        query_lens=[int(x) for x in ql], seq_lens=[int(x) for x in sl], num_tokens=T,
+        num_decode=Bd, decode_splits=S, num_tiles=Tp,
         tile_req=np.concatenate([dreq, t_req, z(tile_pad)]),
         tile_q_lo=np.concatenate([dpos, t_lo, z(tile_pad)]),
         tile_q_hi=np.concatenate([dpos, t_hi, z(tile_pad)]),
-        tile_valid=np.concatenate([np.arange(Bd) < len(dec), np.ones(len(t_req), bool), np.zeros(tile_pad, bool)]),
+        tile_valid=np.concatenate([np.repeat(np.arange(Bd) < len(dec), S), np.ones(len(t_req), bool),
+                                   np.zeros(tile_pad, bool)]),
+        tile_split=np.concatenate([np.tile(np.arange(S), Bd), z(len(t_req) + tile_pad)]),
         prefill_req=row_req, prefill_pos=prefill_pos, prefill_src=prefill_src, prefill_dst=prefill_dst,
         decode_src=decode_src, decode_dst=decode_dst,
     )
@@ -112,6 +125,7 @@ class AttentionMetadata:
     tile_q_lo: torch.Tensor
     tile_q_hi: torch.Tensor
     tile_valid: torch.Tensor
+    tile_split: torch.Tensor
     prefill_req: torch.Tensor
     prefill_pos: torch.Tensor
     prefill_src: torch.Tensor
@@ -121,10 +135,6 @@ class AttentionMetadata:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # per-request mod parameters [R]
     backend: object = None
     backend_state: dict = field(default_factory=dict)  # built by the backend in prepare()
-
-    @property
-    def decode_req(self) -> torch.Tensor:
-        return self.tile_req[: self.layout.num_decode]
 
 
 def build_phys_to_logical(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
@@ -143,22 +153,27 @@ def build_phys_to_logical(block_tables: torch.Tensor, seq_lens: torch.Tensor, bl
     return p2l[:num_blocks]
 
 
+_LAYOUT_FIELDS = ("tile_req", "tile_q_lo", "tile_q_hi", "tile_valid", "tile_split", "prefill_req", "prefill_pos",
+                  "prefill_src", "prefill_dst", "decode_src", "decode_dst")
+
+
 def build_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
                    layout: StepLayout, block_size: int, num_blocks: int,
                    params: dict[str, torch.Tensor] | None = None) -> AttentionMetadata:
+    """Ship the layout in ONE host→device copy (pinned on CUDA), then build the page map on the device."""
     device = block_tables.device
-    to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)  # noqa: E731
+    arrays = [np.asarray(getattr(layout, f), dtype=np.int64) for f in _LAYOUT_FIELDS]
+    packed = torch.from_numpy(np.concatenate(arrays))
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    packed = packed.to(device, non_blocking=True)
+    views = dict(zip(_LAYOUT_FIELDS, packed.split([len(a) for a in arrays])))
+    views["tile_valid"] = views["tile_valid"].bool()
     return AttentionMetadata(
         layout=layout, block_size=block_size, num_blocks=num_blocks,
         seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
         phys_to_logical=build_phys_to_logical(block_tables, seq_lens, block_size, num_blocks),
-        tile_req=to(layout.tile_req), tile_q_lo=to(layout.tile_q_lo), tile_q_hi=to(layout.tile_q_hi),
-        tile_valid=torch.from_numpy(layout.tile_valid.copy()).to(device, non_blocking=True),
-        prefill_req=to(layout.prefill_req), prefill_pos=to(layout.prefill_pos),
-        prefill_src=to(layout.prefill_src), prefill_dst=to(layout.prefill_dst),
-        decode_src=to(layout.decode_src), decode_dst=to(layout.decode_dst),
-        params=dict(params or {}),
-    )
+        params=dict(params or {}), **views)
 
 
 def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor]):
@@ -189,6 +204,14 @@ def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tenso
     no_full = fhi <= flo
     flo = torch.where(no_full, hi, flo.clamp(lo, hi))
     fhi = torch.where(no_full, hi, fhi.clamp(flo, hi))
+    S = meta.layout.decode_splits
+    if S > 1:  # decode row s of a request reads the s-th contiguous slice of its page range
+        nsplit = torch.where(torch.arange(len(lo), device=lo.device) < meta.layout.num_decode * S, S, 1)
+        chunk = (hi - lo + nsplit - 1) // nsplit
+        lo = (lo + meta.tile_split * chunk).clamp(max=hi)
+        hi = (lo + chunk).clamp(max=hi)
+        flo, fhi = flo.clamp(lo, hi), fhi.clamp(lo, hi)
+        fhi = torch.maximum(fhi, flo)
 
     M = meta.block_tables.shape[1]
     j = torch.arange(M, device=L.device)[None, :]

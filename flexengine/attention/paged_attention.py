@@ -5,7 +5,7 @@ import torch
 
 from ..masks import get_mask_mod, get_score_mod, mod_name
 from .backends import get_backend
-from .metadata import build_metadata, plan_layout
+from .metadata import build_metadata, choose_decode_splits, plan_layout
 
 
 def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_lens):
@@ -70,8 +70,12 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     if heads is not None and heads != Hq:
         raise ValueError(f"{mod_name(score_fn)} has {heads} slopes but the query has {Hq} heads")
     impl = get_backend(backend, [(mask_fn, score_fn)], head_dim=D)
-    NB, P = key_cache.shape[:2]
-    layout = plan_layout(ql, sl)
+    NB, P, Hkv = key_cache.shape[:3]
+    splits = 1
+    if query.is_cuda:  # split-KV needs the compiled kernel's log-sum-exp, which CPU Inductor lacks
+        num_decode = sum(n == 1 for n in ql)
+        splits = choose_decode_splits(num_decode, Hkv, torch.cuda.get_device_properties(query.device).multi_processor_count)
+    layout = plan_layout(ql, sl, decode_splits=splits)
     params = {k: torch.as_tensor(v, device=query.device) for k, v in (attention_params or {}).items()}
     meta = build_metadata(block_tables.to(torch.int32), seq_lens.to(torch.int32),
                           torch.empty(0, dtype=torch.long, device=query.device), layout, P, NB, params)

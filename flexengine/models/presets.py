@@ -123,14 +123,14 @@ def tensor_kinds(model) -> dict[str, str]:
 
 
 def write_model(preset: str, out: str, dtype: str = "bfloat16", seed: int = 0, num_layers: int | None = None,
-                max_shard_bytes: int = SHARD_BYTES) -> str:
+                max_shard_bytes: int | None = None) -> str:
     config = preset_config(preset, num_layers, dtype)
     torch_dtype = DTYPES[dtype]
     hf_config = hf_config_of(config)
     model = build_model(get_model_class(hf_config), hf_config, torch_dtype, "meta")
     layout, kinds = checkpoint_layout(model), tensor_kinds(model)
     sizes = {n: torch.Size(t.shape).numel() * torch_dtype.itemsize for n, t in layout.items()}
-    shards = plan_shards(sizes, max_shard_bytes)
+    shards = plan_shards(sizes, max_shard_bytes or SHARD_BYTES)
     os.makedirs(out, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     std = float(config.get("initializer_range", 0.02))

@@ -11,6 +11,13 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+try:  # torch >= 2.9 asks for the log-sum-exp through return_aux; return_lse is deprecated there
+    from torch.nn.attention.flex_attention import AuxRequest
+    LSE_KWARGS = {"return_aux": AuxRequest(lse=True)}
+except ImportError:
+    LSE_KWARGS = {"return_lse": True}
+
+from ...compile import configure_dynamo
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
 from ..metadata import Q_TILE, AttentionMetadata, page_lists
 
@@ -90,7 +97,7 @@ def build_block_masks(meta: AttentionMetadata, mask_mod):
     lay, P = meta.layout, meta.block_size
     kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, _param_values(meta, mask_mod, MASK_ARGS))
     kv_len = meta.num_blocks * P
-    Bd, Tp = lay.num_decode, lay.num_tiles
+    Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
     M = meta.num_blocks
     dec = pre = None
     if Bd:
@@ -108,9 +115,20 @@ def build_block_masks(meta: AttentionMetadata, mask_mod):
     return dec, pre
 
 
+def merge_splits(out_BSHD: torch.Tensor, lse_BSH: torch.Tensor) -> torch.Tensor:
+    """Combine split-KV partial results by log-sum-exp; an empty split has lse -inf and weight 0."""
+    m = lse_BSH.amax(1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse_BSH - m)
+    total = w.sum(1).clamp_min(torch.finfo(w.dtype).tiny)
+    return (w[..., None] * out_BSHD.float()).sum(1) / total[..., None]
+
+
 @functools.cache
 def _compiled_flex():
-    # Eager flex materialises the whole score matrix; on a GPU only the compiled kernel is acceptable.
+    # Eager flex materialises the whole score matrix; on a GPU only the compiled kernel is acceptable,
+    # so fullgraph (no graph breaks) and a recompile budget that raises when exhausted.
+    configure_dynamo()
     return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 
@@ -147,9 +165,16 @@ class FlexBackend:
         gqa = Hq != Hkv
         out = query.new_empty(T + 1, Hq, D)  # row T swallows padding rows
         if lay.num_decode:
-            qd = query[meta.decode_src].unsqueeze(2)  # [Bd, Hq, 1, D]
-            od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa)
-            out.index_copy_(0, meta.decode_dst, od.squeeze(2))
+            qd = query[meta.decode_src].unsqueeze(2)  # [Bd * S, Hq, 1, D]
+            S = lay.decode_splits
+            if S == 1:
+                od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa).squeeze(2)
+            else:
+                od, lse = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
+                               **LSE_KWARGS)
+                lse = getattr(lse, "lse", lse)
+                od = merge_splits(od.view(lay.num_decode, S, Hq, D), lse.view(lay.num_decode, S, Hq)).to(query.dtype)
+            out.index_copy_(0, meta.decode_dst, od)
         if lay.num_tiles:
             qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
             op = flex(qp, k, v, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa)

@@ -1,0 +1,134 @@
+"""Paged flex attention against torch SDPA (flash) on dense tensors, measured in the same run.
+
+    python -m flexengine.benchmarks.attention [--page-sizes 128 16] [--json out.json]
+
+Rows follow DESIGN.md's baselines: Hq=32, Hkv=8, D=128, bf16. Floors: decode = K/V bytes / 3.0 TB/s;
+prefill = causal FLOPs / 790 TFLOP/s (H100 SXM dense bf16). "meta" is the whole per-step metadata
+build (layout planning on the host, page map, page lists and BlockMasks on the device).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.backends.flex import FlexBackend
+from ..attention.metadata import build_metadata, choose_decode_splits, plan_layout
+from ..compile import compile_count
+from ..masks import causal
+
+HBM_BYTES_PER_S = 3.0e12
+BF16_FLOPS = 790e12
+DECODE = [(1, 4096), (8, 8192), (64, 2048), (256, 1024)]
+PREFILL = [(8, 1024), (2, 4096), (32, 512)]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--page-sizes", type=int, nargs="+", default=[128, 16], help="KV page sizes to measure")
+    p.add_argument("--heads", type=int, default=32, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
+    p.add_argument("--head-dim", type=int, default=128, help="head size")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
+def bench(fn) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100) * 1000.0  # µs
+
+
+def paged_step(seq_lens, query_lens, page, Hq, Hkv, D, device, spare=64):
+    """A shuffled pool holding the step's requests, its block tables, and a query."""
+    pages = [(L + page - 1) // page for L in seq_lens]
+    NB = sum(pages) + spare
+    order = torch.randperm(NB, generator=torch.Generator().manual_seed(0)).tolist()
+    width = max(pages)
+    tables, used = [], 0
+    for n in pages:
+        tables.append(order[used:used + n] + [0] * (width - n))
+        used += n
+    kc = torch.randn(NB, page, Hkv, D, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(sum(query_lens), Hq, D, device=device, dtype=torch.bfloat16)
+    return q, kc, vc, torch.tensor(tables, dtype=torch.int32, device=device)
+
+
+def flex_times(seq_lens, query_lens, page, Hq, Hkv, D, device):
+    q, kc, vc, bt = paged_step(seq_lens, query_lens, page, Hq, Hkv, D, device)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    backend = FlexBackend(compile=True)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = choose_decode_splits(sum(n == 1 for n in query_lens), Hkv, sms)
+    slots = torch.empty(0, dtype=torch.long, device=device)
+
+    def build():
+        meta = build_metadata(bt, sl, slots, plan_layout(query_lens, seq_lens, decode_splits=splits),
+                              page, kc.shape[0])
+        meta.backend = backend
+        backend.prepare(meta, [(causal, None)])
+        return meta
+
+    meta = build()
+    run = lambda: backend.forward(q, kc, vc, meta, causal, None, D ** -0.5)  # noqa: E731
+    run()
+    return bench(run), bench(build)
+
+
+def sdpa_decode(B, ctx, Hq, Hkv, D, device):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(B, Hq, 1, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, ctx, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+def sdpa_prefill(N, L, Hq, Hkv, D, device):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(N, Hq, L, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(N, Hkv, L, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+
+def main(args) -> int:
+    assert torch.cuda.is_available(), "the attention benchmark needs a CUDA device"
+    device = torch.device("cuda")
+    Hq, Hkv, D = args.heads, args.kv_heads, args.head_dim
+    random.seed(0)
+    rows = []
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | Hq={Hq} Hkv={Hkv} D={D} bf16 | µs (median)")
+    head = "| case | floor | SDPA flash | " + " | ".join(f"flex p{p} | ratio p{p} | meta p{p}" for p in args.page_sizes) + " |"
+    print(head)
+    print("|" + "---|" * (3 + 3 * len(args.page_sizes)))
+    for B, ctx in DECODE:
+        floor = B * ctx * Hkv * D * 2 * 2 / HBM_BYTES_PER_S * 1e6
+        row = dict(kind="decode", B=B, ctx=ctx, floor=floor, sdpa=sdpa_decode(B, ctx, Hq, Hkv, D, device))
+        for p in args.page_sizes:
+            row[f"flex_p{p}"], row[f"meta_p{p}"] = flex_times([ctx] * B, [1] * B, p, Hq, Hkv, D, device)
+        rows.append(row)
+    for N, L in PREFILL:
+        floor = 4 * N * Hq * D * L * L / 2 / BF16_FLOPS * 1e6
+        row = dict(kind="prefill", B=N, ctx=L, floor=floor, sdpa=sdpa_prefill(N, L, Hq, Hkv, D, device))
+        for p in args.page_sizes:
+            row[f"flex_p{p}"], row[f"meta_p{p}"] = flex_times([L] * N, [L] * N, p, Hq, Hkv, D, device)
+        rows.append(row)
+    for r in rows:
+        cells = [f"{r['kind']} {r['B']}x{r['ctx']}", f"{r['floor']:.0f}", f"{r['sdpa']:.0f}"]
+        for p in args.page_sizes:
+            cells += [f"{r[f'flex_p{p}']:.0f}", f"{r['sdpa'] / r[f'flex_p{p}']:.2f}x", f"{r[f'meta_p{p}']:.0f}"]
+        print("| " + " | ".join(cells) + " |")
+    print(f"# ratio = SDPA time / flex time (>1: flex faster); compiled graphs: {compile_count()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))
