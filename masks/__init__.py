@@ -7,6 +7,7 @@ from the engine.
 """
 from .builtins import (alibi, and_masks, bidirectional, causal, chunked_local, or_masks, prefix_lm,
                        prefix_lm_per_request, sliding_window, softcap)
+from .checks import check_mask_mod, check_score_mod
 from .registry import (MASK_ARGS, SCORE_ARGS, get_mask_mod, get_score_mod, list_mask_mods, list_score_mods, mod_name,
                        register_mask_mod, register_score_mod, request_params)
 

@@ -111,8 +111,12 @@ def alibi(slopes):
     if slopes.numel() == 0:
         raise ValueError("alibi needs at least one slope")
 
+    on_device = {}  # filled eagerly by the first (checked) call, so compiled code never copies
+
     def alibi_score(score, b, h, q_idx, kv_idx):
-        return score + slopes.to(score.device)[h] * (kv_idx - q_idx)
+        if score.device not in on_device:
+            on_device[score.device] = slopes.to(score.device)
+        return score + on_device[score.device][h] * (kv_idx - q_idx)
 
     alibi_score.num_heads = slopes.numel()
     alibi_score.mod_name = f"alibi({slopes.numel()} heads)"

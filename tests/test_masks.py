@@ -106,3 +106,44 @@ def test_kv_bounds_are_sound(mod, q_lo, span, extra):
                 assert a_lo <= kv < a_hi
             if f_lo <= kv < f_hi:
                 assert ok
+
+
+def test_mod_checks_name_the_mod_and_the_problem():
+    def returns_float(b, h, q, kv):
+        return (kv <= q).float()
+
+    def wrong_shape(b, h, q, kv):
+        return torch.stack([kv <= q, kv <= q])
+
+    def raises(b, h, q, kv):
+        raise RuntimeError("boom")
+
+    def control_flow(b, h, q, kv):
+        if q > kv:
+            return kv >= 0
+        return kv < 0
+
+    for fn, message in [(returns_float, "returns_float must return a bool tensor, got torch.float32"),
+                        (wrong_shape, r"wrong_shape must return one bool .* shape \(2,\)"),
+                        (raises, "raises raised RuntimeError .*boom"),
+                        (control_flow, "control_flow uses Python control flow on tensors")]:
+        with pytest.raises(ValueError, match=message):
+            masks.check_mask_mod(fn)
+    masks.check_mask_mod(masks.sliding_window(3))
+    masks.check_score_mod(masks.softcap(2.0))
+    with pytest.raises(ValueError, match="score_mod bad_score must return a float score"):
+        def bad_score(score, b, h, q, kv):
+            return score > 0
+        masks.check_score_mod(bad_score)
+
+
+def test_bad_mod_is_reported_by_paged_attention():
+    from flexengine.attention import paged_attention
+    q, kc = torch.randn(4, 2, 8), torch.randn(2, 4, 2, 8)
+
+    def flaky(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx).int()
+
+    with pytest.raises(ValueError, match="flaky must return a bool tensor"):
+        paged_attention(q, kc, kc.clone(), torch.tensor([[0]], dtype=torch.int32), torch.tensor([4]),
+                        torch.tensor([4]), mask_mod=flaky)

@@ -18,7 +18,7 @@ except ImportError:
     LSE_KWARGS = {"return_lse": True}
 
 from ...compile import configure_dynamo
-from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
+from ...masks import MASK_ARGS, SCORE_ARGS, check_mask_mod, check_score_mod, mod_name, request_params
 from ..metadata import Q_TILE, AttentionMetadata, page_lists
 
 
@@ -137,15 +137,26 @@ class FlexBackend:
 
     def __init__(self, compile: bool | None = None):
         self.compile = compile  # None: compile on CUDA, eager on CPU (where Inductor's flex is slow to build)
+        self.checked: set = set()
 
     def flex_fn(self, device: torch.device):
         use = self.compile if self.compile is not None else device.type == "cuda"
         return _compiled_flex() if use else flex_attention
 
+    def check_once(self, meta: AttentionMetadata, mask_mod, score_mod) -> None:
+        """Run each mod eagerly on a tiny example the first time it meets a device."""
+        device = meta.block_tables.device
+        for fn, check in ((mask_mod, check_mask_mod), (score_mod, check_score_mod)):
+            if fn is not None and (fn, device) not in self.checked:
+                _param_values(meta, fn, MASK_ARGS if check is check_mask_mod else SCORE_ARGS)
+                check(fn, meta.params, device)
+                self.checked.add((fn, device))
+
     def prepare(self, meta: AttentionMetadata, mods) -> None:
         """Build each distinct mask's BlockMasks and each distinct score mod's rewrite, once per step."""
         masks, scores = meta.backend_state.setdefault("masks", {}), meta.backend_state.setdefault("scores", {})
         for mask_mod, score_mod in mods:
+            self.check_once(meta, mask_mod, score_mod)
             if mask_mod not in masks:
                 masks[mask_mod] = build_block_masks(meta, mask_mod)
             if score_mod not in scores:
@@ -163,20 +174,22 @@ class FlexBackend:
         v = value_cache.view(1, NB * P, Hkv, D).transpose(1, 2)
         flex = self.flex_fn(query.device)
         gqa = Hq != Hkv
+        # the kernel's kv tile must divide the page; default tiles are 64-128 wide
+        opts = {"kernel_options": {"BLOCK_N": P}} if P < 64 else {}
         out = query.new_empty(T + 1, Hq, D)  # row T swallows padding rows
         if lay.num_decode:
             qd = query[meta.decode_src].unsqueeze(2)  # [Bd * S, Hq, 1, D]
             S = lay.decode_splits
             if S == 1:
-                od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa).squeeze(2)
+                od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa, **opts).squeeze(2)
             else:
                 od, lse = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
-                               **LSE_KWARGS)
+                               **opts, **LSE_KWARGS)
                 lse = getattr(lse, "lse", lse)
                 od = merge_splits(od.view(lay.num_decode, S, Hq, D), lse.view(lay.num_decode, S, Hq)).to(query.dtype)
             out.index_copy_(0, meta.decode_dst, od)
         if lay.num_tiles:
             qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
-            op = flex(qp, k, v, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa)
+            op = flex(qp, k, v, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa, **opts)
             out.index_copy_(0, meta.prefill_dst, op[0].transpose(0, 1))
         return out[:T]
