@@ -15,6 +15,11 @@ def env_attention_backend() -> str | None:
     return value or None
 
 
+def env_api_key() -> str | None:
+    """The server's bearer token from FLEXENGINE_API_KEY (used when --api-key is not given)."""
+    return os.environ.get("FLEXENGINE_API_KEY") or None
+
+
 def cache_dir() -> str:
     """Where flexengine keeps built artefacts (the embedded default model): FLEXENGINE_CACHE_DIR,
     else $XDG_CACHE_HOME/flexengine, else ~/.cache/flexengine."""
@@ -24,6 +29,7 @@ def cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "flexengine")
 
+
 DEFAULT_BLOCK_SIZE = 16
 # vLLM's default token budget per step for chunked prefill (its V1 default for online serving).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -32,6 +38,9 @@ CPU_KV_CACHE_BYTES = 256 << 20
 # On CPU, FlexAttention runs eagerly and materialises scores over the whole page pool, so the pool is
 # also capped in tokens (a larger pool costs time on every step, not only memory).
 CPU_MAX_KV_TOKENS = 8192
+# One layer's K (or V) pool is indexed with int32 inside the FlexAttention kernels: a pool of more
+# elements than this fails to compile, so a measured cache is capped here (it only binds for tiny models).
+MAX_KV_POOL_ELEMENTS = 2 ** 31 - 1
 # A model config may advertise 128k+ positions; unless asked, serve at most this many per request.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -46,7 +55,9 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV page
     num_kv_blocks: int | None = None      # None → sized from memory (GPU profile / CPU_KV_CACHE_BYTES)
     gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None      # None → the model's max_position_embeddings, capped
+    # None → the model's max_position_embeddings, capped at DEFAULT_MAX_MODEL_LEN_CAP and at what the KV
+    # cache holds; an explicit value the cache cannot hold is a ValueError naming the blocks needed.
+    max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True

@@ -37,13 +37,11 @@ class LLM:
         A prompt is a str or {"prompt_token_ids": [...]}; `prompts` is one prompt or a list of them.
         `sampling_params` is one SamplingParams for all, or a list with one per prompt.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            params = [sampling_params] * len(prompts)  # one for all (the engine checks its type)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -67,5 +67,4 @@ class SamplingParams:
         """The params of completion `index` of n: each completion draws from its own seed (vLLM: seed + index)."""
         if self.seed is None or index == 0:
             return self
-        clone = SamplingParams(**{**self.__dict__, "seed": self.seed + index})
-        return clone
+        return SamplingParams(**{**self.__dict__, "seed": self.seed + index})

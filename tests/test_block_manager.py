@@ -6,7 +6,6 @@ catches any wrong reuse, including one a hash collision would cause.
 """
 import random
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule

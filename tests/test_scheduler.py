@@ -90,7 +90,8 @@ class Sim:
 
 
 def expected_tokens(prompt, target):
-    seq = Sequence(request_id="x", index=0, token_ids=list(prompt), num_prompt_tokens=len(prompt), params=SamplingParams())
+    seq = Sequence(request_id="x", index=0, token_ids=list(prompt), num_prompt_tokens=len(prompt),
+                   params=SamplingParams())
     while seq.num_tokens < target:
         seq.token_ids.append(fake_token(seq))
     return seq.token_ids

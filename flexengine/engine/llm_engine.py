@@ -141,6 +141,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            # The cache holds a whole max_model_len request, so with work queued a step always runs something.
+            assert not self.scheduler.has_unfinished(), "the scheduler could not run any queued sequence"
             return []
         seqs, out = self.runner.execute(batch)
         self.scheduler.update_computed(batch)

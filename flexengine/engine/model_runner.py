@@ -7,6 +7,7 @@ A step is three functions named for what they do:
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from itertools import chain
@@ -17,10 +18,13 @@ import torch
 from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
 from ..attention.metadata import AttentionMetadata, build_metadata, plan_layout
-from ..config import CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
+from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN_CAP, MAX_KV_POOL_ELEMENTS,
+                      EngineConfig)
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,9 +77,20 @@ class ModelRunner:
 
         self.num_blocks = config.num_kv_blocks or self.measure_num_blocks()
         self.max_model_len = self.choose_max_model_len()
-        self.kv_cache = allocate_kv_cache(len(self.layers), self.num_blocks, self.block_size, self.num_kv_heads,
+        # One page past the block manager's: padded rows of a captured batch write their K/V there.
+        self.kv_cache = allocate_kv_cache(len(self.layers), self.num_blocks + 1, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, self.device)
         self.attach_kv_cache(self.kv_cache)
+        # A fixed table width keeps every compiled shape (and stride) the same from step to step.
+        self.table_width = -(-self.max_model_len // self.block_size)
+        self.decode_graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "flex":
+            from ..compile.warmup import warm_up_steps
+            logger.info("warm-up (compiles prefill and mixed steps): %.1f s", warm_up_steps(self))
+            self.decode_graphs = self.capture_decode_graphs()
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; max_model_len %d", self.num_blocks,
+                    self.block_size, self.num_blocks * self.bytes_per_block() / 2 ** 20, self.device,
+                    self.max_model_len)
 
     # ---------------------------------------------------------------- sizing
     def bytes_per_block(self) -> int:
@@ -109,7 +124,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return max(1, min(CPU_KV_CACHE_BYTES // per_block, CPU_MAX_KV_TOKENS // self.block_size))
         budget = self.profile_kv_budget()
-        num = budget // per_block
+        num = min(budget // per_block, MAX_KV_POOL_ELEMENTS // (self.block_size * self.num_kv_heads * self.head_dim))
         if num < 1:
             raise ValueError(f"no GPU memory is left for the KV cache: the model and a step of "
                              f"{self.config.max_num_batched_tokens} tokens use more than gpu_memory_utilization="
@@ -122,7 +137,8 @@ class ModelRunner:
         """Bytes for the KV cache: run the largest step the scheduler can make, on a scratch cache."""
         cfg, P = self.config, self.block_size
         T = cfg.max_num_batched_tokens
-        num_seqs = max(1, min(cfg.max_num_seqs, T))
+        longest = min(n for n in (self.model_max_len(), cfg.max_model_len, T) if n)  # positions the model supports
+        num_seqs = max(min(cfg.max_num_seqs, T), -(-T // longest))
         lens = [T // num_seqs + (i < T % num_seqs) for i in range(num_seqs)]
         scratch_blocks = sum(-(-n // P) for n in lens) + 1
         torch.cuda.synchronize(self.device)
@@ -173,7 +189,7 @@ class ModelRunner:
         req = np.repeat(np.arange(R), query_lens)
         ends = np.cumsum(query_lens)
         positions = np.repeat(starts, query_lens) + np.arange(T) - np.repeat(ends - query_lens, query_lens)
-        width = max(len(s.block_table) for s in seqs)
+        width = max(max(len(s.block_table) for s in seqs), getattr(self, "table_width", 0))
         tables = np.zeros((R, width), dtype=np.int32)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
@@ -202,8 +218,8 @@ class ModelRunner:
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]
-        V = self.vocab_size
-        rows = np.asarray([(p.temperature, p.top_p, p.min_p, p.top_k if p.top_k > 0 else V) for p in params],
+        no_k = float(1 << 30)  # top_k "disabled": larger than any vocabulary
+        rows = np.asarray([(p.temperature, p.top_p, p.min_p, p.top_k if p.top_k > 0 else no_k) for p in params],
                           dtype=np.float32).reshape(-1, 4)
         packed = self.to_device(rows)  # one transfer for all four
         any_top_k = any(p.top_k > 0 for p in params)
@@ -223,9 +239,50 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         return self.sampler(logits, inputs.sampling)
 
+    # ---------------------------------------------------------------- CUDA graphs for decode
+    def forward_logits(self, input_ids, positions, meta) -> torch.Tensor:
+        return self.model.compute_logits(self.run_model(input_ids, positions, meta))
+
+    def capture_decode_graphs(self):
+        from ..compile.cuda_graphs import DecodeGraphRunner
+        from ..masks import MASK_ARGS, SCORE_ARGS, request_params
+        params = tuple(sorted({p for m, sc in self.mods for p in request_params(m, MASK_ARGS)} |
+                              {p for m, sc in self.mods if sc is not None for p in request_params(sc, SCORE_ARGS)}))
+        graphs = DecodeGraphRunner(
+            self.forward_logits, self.backend, self.mods, max_num_seqs=self.config.max_num_seqs,
+            block_size=self.block_size, num_blocks=self.num_blocks + 1, table_width=self.table_width,
+            num_kv_heads=self.num_kv_heads, params=params, scratch_slot=self.num_blocks * self.block_size,
+            device=self.device)
+        graphs.capture_all()
+        logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s, %.1f MiB", len(graphs.graphs),
+                    graphs.buckets, graphs.capture_seconds, graphs.graph_bytes / 2 ** 20)
+        return graphs
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        """Pure decode: ids, positions, slots, lengths and tables in ONE host→device copy."""
+        P, R, W = self.block_size, len(seqs), self.table_width
+        packed = np.zeros((4 + W, R), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            pos = s.num_tokens - 1
+            packed[0, i], packed[1, i], packed[3, i] = s.token_ids[pos], pos, pos + 1
+            packed[2, i] = s.block_table[pos // P] * P + pos % P
+            packed[4:4 + len(s.block_table), i] = s.block_table
+        dev = self.to_device(packed)
+        params = {name: t for name, t in self.attention_params(seqs).items()}
+        return dev[0], dev[1], dev[2], dev[4:].T.int(), dev[3].int(), params
+
+    def decode_with_graphs(self, batch: ScheduledBatch) -> bool:
+        g = self.decode_graphs
+        return (g is not None and all(n == 1 for n in batch.num_new_tokens)
+                and all(s.num_computed_tokens == s.num_tokens - 1 for s in batch.seqs)
+                and g.bucket_for(len(batch.seqs)) is not None)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
         """One step: → (sequences that got a token, their sampler output)."""
+        if self.decode_with_graphs(batch):
+            logits = self.decode_graphs.run(*self.prepare_decode(batch.seqs))
+            return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs))
         inputs = self.prepare_step(batch)
         hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seqs:

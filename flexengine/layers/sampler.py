@@ -76,9 +76,8 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int):
     logp = logits.float().log_softmax(-1)
     chosen = logp.gather(-1, token_ids[:, None])
     rank = (logp >= chosen).sum(-1)  # ties count as ahead, as vLLM does
-    top = logp.topk(k, dim=-1) if k > 0 else None
-    return (chosen[:, 0], rank, top.indices if top is not None else token_ids[:, :0],
-            top.values if top is not None else logp[:, :0])
+    top = logp.topk(k, dim=-1)
+    return chosen[:, 0], rank, top.indices, top.values
 
 
 class Sampler:

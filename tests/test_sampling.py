@@ -1,0 +1,227 @@
+"""Sampling: the sampler's filters and distribution, per-request seeds, stops, n, logprobs.
+
+Filtered tokens are checked against allowed sets computed independently (numpy on the same logits for
+the sampler; transformers' forward for the engine)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flexengine import LLM, SamplingParams
+from flexengine.layers.sampler import Sampler, SamplingTensors, compute_logprobs
+from test_engine import VOCAB, checkpoint, prompts_of
+
+
+def allowed_set(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """vLLM's order: temperature, min-p, top-k, then top-p over the renormalised survivors."""
+    x = logits.astype(np.float64) / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    keep = p >= min_p * p.max()
+    order = [i for i in np.argsort(-x, kind="stable") if keep[i]]
+    if top_k > 0:
+        order = order[:top_k]
+    q = p[order] / p[order].sum()
+    out, mass = [], 0.0
+    for i, qi in zip(order, q):
+        out.append(int(i))
+        mass += qi
+        if mass >= top_p - 1e-6:
+            break
+    return set(out)
+
+
+def tensors(rows, generators=(), device="cpu"):
+    t, k, p, m = zip(*rows)
+    V = 10 ** 6
+    return SamplingTensors(temperature=torch.tensor(t), top_k=torch.tensor([x if x > 0 else V for x in k]),
+                           top_p=torch.tensor(p), min_p=torch.tensor(m), generators=tuple(generators),
+                           all_greedy=all(x == 0 for x in t))
+
+
+def test_filters_never_emit_a_disallowed_token():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 40, generator=g) * 3
+    rows = [(1.0, 3, 1.0, 0.0), (0.7, -1, 0.5, 0.0), (1.3, -1, 1.0, 0.2), (2.0, 5, 0.8, 0.05), (1.0, 1, 1.0, 0.0),
+            (0.5, 10, 0.9, 0.1)]
+    draws = 300  # each row repeated: one sampler call draws them all
+    ids = Sampler(torch.Generator().manual_seed(1))(logits.repeat(draws, 1), tensors(rows * draws)).token_ids
+    seen = [set(ids[i::len(rows)].tolist()) for i in range(len(rows))]
+    for i, row in enumerate(rows):
+        allowed = allowed_set(logits[i].numpy(), *row)
+        assert seen[i] <= allowed, (row, seen[i] - allowed)
+        assert len(seen[i]) == len(allowed) or len(allowed) > 8  # small allowed sets are all reached
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([[1.0, 0.5, 0.0, -1.0, 2.0]]).repeat(20000, 1)
+    out = Sampler(torch.Generator().manual_seed(0))(logits, tensors([(0.7, -1, 1.0, 0.0)] * 20000)).token_ids
+    freq = torch.bincount(out, minlength=5).float() / 20000
+    assert torch.allclose(freq, (logits[0] / 0.7).softmax(-1), atol=0.015)
+    out = Sampler(torch.Generator().manual_seed(0))(logits, tensors([(1.0, 2, 1.0, 0.0)] * 20000)).token_ids
+    freq = torch.bincount(out, minlength=5).float() / 20000
+    expected = torch.zeros(5)
+    expected[[4, 0]] = torch.tensor([2.0, 1.0]).softmax(-1)
+    assert torch.allclose(freq, expected, atol=0.015)
+
+
+def test_greedy_rows_and_seeded_rows_ignore_the_rest_of_the_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g)
+    alone = [Sampler()(logits[2:3], tensors([(1.0, -1, 1.0, 0.0)], [torch.Generator().manual_seed(9)]))
+             .token_ids.item() for _ in range(1)]
+    gen_alone, gen_batch = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    seq_alone, seq_batch = [], []
+    for _ in range(20):
+        seq_alone.append(Sampler()(logits[2:3], tensors([(1.0, -1, 1.0, 0.0)], [gen_alone])).token_ids.item())
+        rows = [(0.0, -1, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (1.0, 3, 1.0, 0.0)]
+        out = Sampler()(logits, tensors(rows, [None, None, gen_batch, None])).token_ids
+        assert out[0].item() == logits[0].argmax().item()
+        seq_batch.append(out[2].item())
+    assert seq_alone == seq_batch and seq_alone[0] == alone[0]
+    assert len(set(seq_alone)) > 1
+
+
+def test_compute_logprobs_ranks_and_top():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 1.5, 0.0]])
+    chosen, rank, top_ids, top_lps = compute_logprobs(logits, torch.tensor([2, 0]), 2)
+    ref = logits.log_softmax(-1)
+    assert torch.allclose(chosen, ref[[0, 1], [2, 0]]) and rank.tolist() == [3, 1]
+    assert top_ids.tolist() == [[1, 3], [0, 2]] and torch.allclose(top_lps, ref.gather(1, top_ids))
+
+
+# ------------------------------------------------------------------------------------------ engine level
+# Sampling does not depend on the attention backend (test_engine checks the default one against
+# transformers); the reference backend keeps these CPU tests fast.
+@pytest.fixture(scope="module")
+def default_llm():
+    return LLM(num_kv_blocks=16, attention_backend="reference")
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM(checkpoint()[1], num_kv_blocks=16, attention_backend="reference")
+
+
+@torch.no_grad()
+def hf_logits(ids: list[int]) -> torch.Tensor:
+    hf, _ = checkpoint()
+    return hf(torch.tensor([ids])).logits[0].float()  # [len, vocab]: row i predicts token i + 1
+
+
+def test_seed_reproducible_regardless_of_batch(default_llm):
+    p = SamplingParams(temperature=1.0, seed=42, max_tokens=10, ignore_eos=True)
+    alone = default_llm.generate("The quick brown fox", p, use_tqdm=False)[0].outputs[0].text
+    others = [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=5, ignore_eos=True), p,
+              SamplingParams(temperature=0, max_tokens=9)]
+    outs = default_llm.generate(["Hi", "Once upon a time, in a land far away", "The quick brown fox", "x"], others,
+                                use_tqdm=False)
+    assert outs[2].outputs[0].text == alone
+    other_seed = SamplingParams(temperature=1.0, seed=43, max_tokens=10, ignore_eos=True)
+    assert default_llm.generate("The quick brown fox", other_seed, use_tqdm=False)[0].outputs[0].text != alone
+
+
+def test_seeded_sampling_survives_preemption(tiny_llm):
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([21, 12, 17, 9], seed=8)]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, ignore_eos=True) for s in range(4)]
+    roomy = tiny_llm.generate(prompts, params, use_tqdm=False)
+    tight = LLM(checkpoint()[1], num_kv_blocks=10, block_size=4, max_model_len=40, attention_backend="reference")
+    cramped = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
+
+
+@pytest.mark.parametrize("params", [dict(top_k=3), dict(top_p=0.4), dict(min_p=0.3),
+                                    dict(top_k=5, top_p=0.7, min_p=0.1)])
+def test_engine_filters_against_transformers_logits(tiny_llm, params):
+    sp = SamplingParams(temperature=1.5, seed=5, max_tokens=6, ignore_eos=True, **params)
+    prompts = prompts_of([5, 12, 20], seed=11)
+    outs = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    full = dict(top_k=-1, top_p=1.0, min_p=0.0) | params
+    for prompt, out in zip(prompts, outs):
+        gen = out.outputs[0].token_ids
+        logits = hf_logits(prompt + gen)
+        for i, token in enumerate(gen):
+            row = logits[len(prompt) - 1 + i].numpy()
+            assert token in allowed_set(row, 1.5, full["top_k"], full["top_p"], full["min_p"])
+
+
+def test_logprobs_match_log_softmax(tiny_llm):
+    prompt = prompts_of([9], seed=5)[0]
+    sp = SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True, logprobs=3)
+    out = tiny_llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    ref = hf_logits(prompt + out.token_ids).log_softmax(-1)
+    total = 0.0
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert token in entry and len(entry) in (3, 4)
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        top = row.topk(3)
+        for r, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
+            assert entry[t].rank == r + 1 and entry[t].logprob == pytest.approx(v, abs=1e-4)
+        total += entry[token].logprob
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    greedy = tiny_llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, logprobs=0),
+                               use_tqdm=False)[0].outputs[0]
+    assert all(list(e) == [t] and e[t].rank == 1 for t, e in zip(greedy.token_ids, greedy.logprobs))
+
+
+def test_logprobs_decoded_token(default_llm):
+    out = default_llm.generate("abc", SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False)[0]
+    tok = default_llm.get_tokenizer()
+    for entry in out.outputs[0].logprobs:
+        assert all(lp.decoded_token == tok.decode([t]) for t, lp in entry.items())
+
+
+def test_stop_strings_cut_exactly(default_llm):
+    base = default_llm.generate("Stop here", SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    text = base.outputs[0].text
+    stop = text[8:11]
+    cut = text.find(stop)
+    out = default_llm.generate("Stop here", SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    # The earliest of several stop strings wins; a stop string never shows in streamed text.
+    later = text[15:17]
+    engine = default_llm.llm_engine
+    engine.add_request("s", "Stop here", SamplingParams(temperature=0, max_tokens=24, stop=[later, stop]))
+    shown = ""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            assert o.outputs[0].text.startswith(shown) and stop not in o.outputs[0].text
+            shown = o.outputs[0].text
+    first = min(text.find(s) for s in (later, stop))
+    assert shown == text[:first] and engine.num_free_blocks() == engine.num_total_blocks
+
+
+def test_stop_token_ids(tiny_llm):
+    prompt = {"prompt_token_ids": prompts_of([7], seed=2)[0]}
+    base = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = base[4]
+    out = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                   stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base[:base.index(stop_id) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_n_completions(default_llm):
+    sp = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    out = default_llm.generate("Many ways", sp, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    texts = [c.text for c in out.outputs]
+    assert len(set(texts)) > 1 and all(len(c.token_ids) == 12 for c in out.outputs)
+    again = default_llm.generate("Many ways", sp, use_tqdm=False)[0]
+    assert [c.text for c in again.outputs] == texts
+    greedy = default_llm.generate("Many ways", SamplingParams(n=2, temperature=0, max_tokens=8), use_tqdm=False)[0]
+    single = default_llm.generate("Many ways", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert greedy.outputs[0].text == greedy.outputs[1].text == single.outputs[0].text
+    assert default_llm.llm_engine.num_free_blocks() == default_llm.llm_engine.num_total_blocks
+
+
+def test_vocab_constant_matches_checkpoint():
+    assert checkpoint()[0].config.vocab_size == VOCAB
