@@ -11,7 +11,7 @@ pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from flexengine import cli  # noqa: E402
-from test_server import launch_server, stop_server, wait_ready  # noqa: E402
+from test_server import ENGINE_ARGS, launch_server, stop_server, wait_ready  # noqa: E402
 
 API_KEY = "sk-bench"
 REPORT_LABELS = [
@@ -26,7 +26,7 @@ REPORT_LABELS = [
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url, log = launch_server("--api-key", API_KEY)
+    proc, url, log = launch_server("--api-key", API_KEY, *ENGINE_ARGS)
     try:
         wait_ready(proc, url, log)
         yield url
@@ -58,11 +58,13 @@ def test_bench_serve_report_all_at_once(server, capsys, tmp_path):
     assert report["Total input tokens:"] == 8 * 24
     assert report["Total generated tokens:"] == 8 * 6   # ignore_eos + max_tokens fix the length
     assert report["Benchmark duration (s):"] > 0
-    assert report["Request throughput (req/s):"] == pytest.approx(8 / report["Benchmark duration (s):"], rel=0.05)
     for key in ("TTFT", "TPOT", "ITL"):
         assert 0 < report[f"Mean {key} (ms):"] and report[f"Median {key} (ms):"] <= report[f"P99 {key} (ms):"]
     saved = json.loads(json_out.read_text())
     assert saved["completed"] == 8 and len(saved["requests"]) == 8
+    assert saved["request_throughput"] == pytest.approx(8 / saved["duration"])
+    assert report["Request throughput (req/s):"] == pytest.approx(saved["request_throughput"], abs=0.01)
+    assert report["Mean TTFT (ms):"] == pytest.approx(saved["mean_ttft_ms"], abs=0.01)
     assert all(len(r["itl"]) == 5 for r in saved["requests"])  # one chunk per generated token
 
 

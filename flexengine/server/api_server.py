@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import os
+
+import re
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -20,6 +21,7 @@ from flexengine.server.async_engine import AsyncEngine, EngineDeadError, EngineO
 from flexengine.server.protocol import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, random_id)
 from flexengine.server import responses
+from flexengine.config import env_api_key
 
 DISCONNECT_POLL_S = 0.05
 
@@ -112,13 +114,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if unsupported is not None:
             raise ApiError(400, f"'{unsupported}' is not supported by this server.", param=unsupported)
 
+    def field_named_in(message: str, body, default: str | None) -> str | None:
+        # SamplingParams and the engine start their messages with the field ("max_tokens must ...").
+        word = re.split(r"[\s:=]", message, maxsplit=1)[0]
+        return word if word in type(body).model_fields else default
+
     def sampling_params(body, default_max_tokens, logprobs):
         try:
             return body.to_sampling_params(default_max_tokens, logprobs)
-        except ValueError as e:  # SamplingParams names the field first
-            raise ApiError(400, str(e), param=str(e).split()[0]) from e
+        except ValueError as e:
+            raise ApiError(400, str(e), param=field_named_in(str(e), body, None)) from e
 
-    async def submit(prompts: list, params, prompt_param: str) -> RequestGroup:
+    async def submit(prompts: list, params, body, prompt_param: str) -> RequestGroup:
         try:
             group = engine.add_requests(prompts, params)
         except EngineOverloadedError as e:
@@ -126,7 +133,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         try:
             await group.wait_added()
         except ValueError as e:  # the engine refused a prompt (too long, token id out of range, ...)
-            raise ApiError(400, str(e), param=prompt_param) from e
+            raise ApiError(400, str(e), param=field_named_in(str(e), body, prompt_param)) from e
         except BaseException:
             group.abort()
             raise
@@ -161,7 +168,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         prompts = body.prompt_list()
         if not prompts:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        group = await submit(prompts, params, "prompt")
+        group = await submit(prompts, params, body, "prompt")
         writer = responses.CompletionWriter(random_id("cmpl"), model_name, body.n, body.logprobs, tokenizer)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -182,7 +189,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             body.max_tokens = body.max_completion_tokens
         # Without max_tokens a chat reply may use the rest of the context (vLLM's default).
         params = sampling_params(body, max(1, max_model_len - len(prompt_ids)), body.engine_logprobs())
-        group = await submit([{"prompt_token_ids": prompt_ids}], params, "messages")
+        group = await submit([{"prompt_token_ids": prompt_ids}], params, body, "messages")
         writer = responses.ChatWriter(random_id("chatcmpl"), model_name, body.n, body.top_logprobs or 0,
                                       tokenizer)
         if body.stream:
@@ -253,8 +260,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
     from flexengine.engine.llm_engine import LLMEngine
 
-    # TODO(lead): move to flexengine/config.py as `env_api_key()`; env vars belong there.
-    api_key = args.api_key or os.environ.get("FLEXENGINE_API_KEY") or None
+    api_key = args.api_key or env_api_key()
     if args.max_waiting_requests < 0:
         raise SystemExit("--max-waiting-requests must be >= 0")
     config = engine_config_from_args(args)

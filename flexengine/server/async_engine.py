@@ -218,7 +218,6 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        live: set[str] = set()  # requests the engine holds, as the engine thread sees them
         busy = False
         try:
             while True:
@@ -230,10 +229,8 @@ class AsyncEngine:
                     new, self._new = self._new, []
                     aborts, self._aborts = self._aborts, []
                 events: list[tuple[str, object]] = []
-                for rid in aborts:
-                    if rid in live:
-                        self.engine.abort_request(rid)
-                        live.discard(rid)
+                for rid in aborts:  # the engine ignores ids it no longer holds
+                    self.engine.abort_request(rid)
                 for rid, prompt, params in new:
                     if rid in aborts:
                         continue
@@ -242,13 +239,9 @@ class AsyncEngine:
                     except ValueError as e:  # a bad prompt (too long, bad ids): the handler answers 400
                         events.append((rid, e))
                         continue
-                    live.add(rid)
                     events.append((rid, ADDED))
                 if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        events.append((output.request_id, output))
-                        if output.finished:
-                            live.discard(output.request_id)
+                    events.extend((output.request_id, output) for output in self.engine.step())
                 busy = self.engine.has_unfinished_requests()
                 self._publish_snapshot()
                 if events:
