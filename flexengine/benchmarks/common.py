@@ -1,0 +1,126 @@
+"""Shared pieces of the end-to-end benchmarks: engine flags, random prompts, timing, weight bytes."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+# H100 SXM HBM3 bandwidth as DESIGN.md's floors use it (the spec sheet says 3.35 TB/s; 3.0 is reachable).
+HBM_BYTES_PER_S = 3.0e12
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The LLM(...) flags every end-to-end benchmark takes; None leaves the engine's default."""
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (default: sized from memory)")
+    p.add_argument("--attention-backend", default=None, help="flex | flash | reference | auto")
+    p.add_argument("--seed", type=int, default=0, help="engine seed and prompt seed")
+    p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
+
+
+def engine_kwargs(args) -> dict:
+    kwargs = dict(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, seed=args.seed)
+    optional = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend)
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    return kwargs
+
+
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def timed(fn, *a, **kw):
+    """(fn's result, wall seconds), with the GPU drained before and after."""
+    sync()
+    start = time.perf_counter()
+    result = fn(*a, **kw)
+    sync()
+    return result, time.perf_counter() - start
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Uniform random token ids: no tokenizer involved, and no two prompts share a KV page."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, size=(num, input_len)).tolist()
+
+
+def as_requests(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def build_llm(args):
+    """(LLM, seconds to construct it): load + whatever compile/capture the engine does up front."""
+    from flexengine import LLM
+    return timed(LLM, **engine_kwargs(args))
+
+
+def warm_up(llm, input_len: int, seed: int, num_prompts: int = 4, output_len: int = 4) -> float:
+    """A tiny generate on prompts unlike the benchmark's (a different seed, so no prefix-cache hits later):
+    lazy compiles and first-call costs land here, not in the timed run. Returns its seconds."""
+    from flexengine import SamplingParams
+    prompts = random_prompts(num_prompts, input_len, llm.llm_engine.vocab_size, seed + 10_007)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0)
+    return timed(llm.generate, as_requests(prompts), params, use_tqdm=False)[1]
+
+
+def generate_fixed(llm, prompts: list[list[int]], output_len: int, temperature: float) -> float:
+    """Generate exactly output_len tokens for every prompt; seconds. Fails loudly on a short output."""
+    from flexengine import SamplingParams
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature)
+    outputs, seconds = timed(llm.generate, as_requests(prompts), params, use_tqdm=False)
+    check_lengths([len(o.outputs[0].token_ids) for o in outputs], len(prompts), output_len, "flexengine")
+    return seconds
+
+
+def check_lengths(lengths: list[int], num: int, output_len: int, who: str) -> None:
+    if len(lengths) != num:
+        raise RuntimeError(f"{who}: {len(lengths)} outputs for {num} prompts")
+    wrong = [n for n in lengths if n != output_len]
+    if wrong:
+        raise RuntimeError(f"{who}: {len(wrong)} of {num} outputs do not have {output_len} tokens "
+                           f"(e.g. {wrong[0]}): the throughput would be wrong")
+
+
+def compiled_graphs() -> int:
+    from flexengine.compile import compile_count
+    return compile_count()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter, each storage once (a tied embedding / lm_head counts once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = (p.untyped_storage().data_ptr(), p.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            total += p.numel() * p.element_size()
+    return total
+
+
+def engine_model(llm) -> torch.nn.Module:
+    return llm.llm_engine.runner.model
+
+
+def decode_ms_per_token(full_s: list[float], one_s: list[float], output_len: int) -> float:
+    """(median time for output_len tokens - median time for 1) / (output_len - 1), in ms: prefill cancels."""
+    return (statistics.median(full_s) - statistics.median(one_s)) / (output_len - 1) * 1e3
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)

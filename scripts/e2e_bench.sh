@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# End-to-end benchmarks on a GPU box, from the repo root after `pip install -e .`:
+#     bash scripts/e2e_bench.sh
+# Makes a random Llama-3.2-1B-shaped checkpoint (bf16), then runs, most important first: throughput
+# (CUDA graphs), latency at batch 1, flexengine vs transformers, and throughput / latency with
+# --enforce-eager. Each step runs under `timeout` and logs to $OUT/<step>.log; all steps share one
+# time budget (a step that no longer fits is skipped, and says so); a summary comes last.
+# Env knobs: OUT (bench_out), MODEL_DIR (/tmp/llama1b), PRESET (llama-3.2-1b), NUM_PROMPTS (256),
+#   TF_PROMPTS (prompts for transformers generate_batch, default NUM_PROMPTS), BATCH1 (1: add the
+#   batch-1 comparison with transformers generate, ~1-2 min more), BUDGET (seconds, 390), PYTHON,
+#   DRY_RUN (1: print the commands, run nothing).
+set -u
+OUT=${OUT:-bench_out}
+MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}
+PRESET=${PRESET:-llama-3.2-1b}
+NUM_PROMPTS=${NUM_PROMPTS:-256}
+TF_PROMPTS=${TF_PROMPTS:-$NUM_PROMPTS}
+BATCH1=${BATCH1:-0}
+BUDGET=${BUDGET:-390}
+PY=${PYTHON:-python3}
+DRY_RUN=${DRY_RUN:-0}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+rm -f "$OUT"/{make_model,throughput,latency,compare_transformers,throughput_eager,latency_eager}.{log,json}  # no stale results
+START=$(date +%s)
+STATUS=()
+
+# run_step NAME LIMIT CMD...: run CMD under min(LIMIT, budget left), tee'd into $OUT/NAME.log.
+run_step() {
+  local name=$1 limit=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  if (( left < 30 )); then
+    STATUS+=("$name: SKIPPED (${left}s of the ${BUDGET}s budget left)"); echo "=== $name skipped: budget spent"; return 1
+  fi
+  (( limit > left )) && limit=$left
+  echo "=== $name (timeout ${limit}s): $*"
+  (( DRY_RUN )) && { STATUS+=("$name: dry run"); return 0; }
+  local t0=$(date +%s)
+  timeout --kill-after=15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]} took=$(( $(date +%s) - t0 ))
+  case $rc in
+    0) STATUS+=("$name: ok (${took}s)") ;;
+    124|137) STATUS+=("$name: TIMED OUT after ${limit}s") ;;
+    *) STATUS+=("$name: FAILED rc=$rc (${took}s), see $OUT/$name.log") ;;
+  esac
+  return "$rc"
+}
+
+summary() {
+  echo; echo "=================== e2e summary ($(( $(date +%s) - START ))s) ==================="
+  printf '%s\n' "${STATUS[@]}"
+  local log
+  for log in "$OUT"/throughput*.log "$OUT"/latency*.log "$OUT"/compare_transformers.log; do
+    [[ -f $log ]] || continue
+    echo "--- $(basename "$log" .log)"
+    grep -E '^(# |Throughput:|Cold start|Graphs compiled|Avg latency|Decode:|Weight-read|Achieved|\| |flexengine / transformers|transformers generate_batch)' "$log"
+  done
+}
+
+COMMON=(--model "$MODEL_DIR" --dtype bfloat16)
+if [[ -f $MODEL_DIR/config.json ]]; then  # config.json is written last: its presence means a whole checkpoint
+  STATUS+=("make-model: reused $MODEL_DIR")
+else
+  run_step make_model 180 "$PY" -m flexengine.cli make-model --preset "$PRESET" --out "$MODEL_DIR" --dtype bfloat16 \
+    || { summary; exit 1; }
+fi
+run_step throughput 150 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
+  --input-len 256 --output-len 256 --json-out "$OUT/throughput.json"
+run_step latency 120 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --batch-size 1 --input-len 128 \
+  --output-len 256 --num-iters 3 --json-out "$OUT/latency.json"
+B1=(); (( BATCH1 )) && B1=(--batch1)
+run_step compare_transformers $(( BATCH1 ? 300 : 200 )) "$PY" -m flexengine.benchmarks.compare_transformers "${COMMON[@]}" \
+  --num-prompts "$NUM_PROMPTS" --tf-num-prompts "$TF_PROMPTS" --input-len 256 --output-len 256 ${B1[@]+"${B1[@]}"} \
+  --json-out "$OUT/compare_transformers.json"
+run_step throughput_eager 120 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --enforce-eager \
+  --num-prompts "$NUM_PROMPTS" --input-len 256 --output-len 256 --json-out "$OUT/throughput_eager.json"
+run_step latency_eager 100 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --enforce-eager --batch-size 1 \
+  --input-len 128 --output-len 256 --num-iters 2 --json-out "$OUT/latency_eager.json"
+summary
