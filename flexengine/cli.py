@@ -43,7 +43,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     wanted_bench = argv[1] if wanted == "bench" and len(argv) > 1 else None
     for name, (module, help_text) in BENCH_COMMANDS.items():
-        if wanted_bench in (None, "-h", "--help") or wanted_bench == name:
+        listing = wanted in (None, "-h", "--help") or (wanted == "bench" and wanted_bench in (None, "-h", "--help"))
+        if listing or wanted_bench == name:
             _add(bench_sub, name, module, help_text)
         else:
             bench_sub.add_parser(name, help=help_text)

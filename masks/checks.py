@@ -39,7 +39,8 @@ def check_mask_mod(fn, params: dict | None = None, device="cpu") -> None:
                          f"indices it returned shape {tuple(out.shape[4:])}")
 
 
-def check_score_mod(fn, params: dict | None = None, device="cpu", num_heads: int = 2) -> None:
+def check_score_mod(fn, params: dict | None = None, device="cpu", num_heads: int | None = None) -> None:
+    num_heads = num_heads or getattr(fn, "num_heads", None) or 2  # alibi knows its head count
     values = [torch.as_tensor(params[n], device=device) for n in request_params(fn, SCORE_ARGS)] if params else []
     score = torch.zeros(1, num_heads, 4, 4, device=device)
     b, h, q, kv = (torch.arange(n, device=device) for n in (1, num_heads, 4, 4))

@@ -1,6 +1,8 @@
 """Backend selection: the argument, then FLEXENGINE_ATTENTION_BACKEND, then auto."""
 from __future__ import annotations
 
+import functools
+
 from ...config import BACKEND_ENV, BACKEND_NAMES, env_attention_backend
 from .flex import FlexBackend
 from .reference import ReferenceBackend
@@ -19,18 +21,32 @@ def resolve_backend_name(name: str | None) -> tuple[str, str]:
     return name, source
 
 
-def get_backend(name: str | None = None, mods=(), head_dim: int | None = None):
-    """A backend instance for `name` (None → env → auto) that can serve every (mask, score) in mods."""
-    from .flash import flash_unsupported_reason, make_flash_backend
+def get_backend(name: str | None = None, mods=(), head_dim: int | None = None, block_size: int | None = None,
+                dtype=None):
+    """A backend instance for `name` (None → env → auto) that can serve every (mask, score) in mods.
+
+    block_size and dtype (optional) let flash refuse early: FA2's paged KV needs block_size % 256 == 0,
+    and the kernels take only float16/bfloat16.
+    """
+    from .flash import flash_unsupported_reason, make_flash_backend, note_auto_fallback
 
     chosen, source = resolve_backend_name(name)
     if chosen == "reference":
         return ReferenceBackend()
     if chosen == "flex":
-        return FlexBackend()
-    reason = flash_unsupported_reason(mods, head_dim)
+        return default_flex()
+    reason = flash_unsupported_reason(mods, head_dim, block_size, dtype)
     if chosen == "flash":
         if reason:
             raise ValueError(f"attention backend 'flash' (from {source}) cannot serve this model: {reason}")
-        return make_flash_backend()
-    return FlexBackend() if reason else make_flash_backend()  # auto
+        return make_flash_backend(block_size)
+    if reason:  # auto
+        note_auto_fallback(reason)
+        return default_flex()
+    return make_flash_backend(block_size)
+
+
+@functools.cache
+def default_flex() -> FlexBackend:
+    """One shared instance, so each mod is checked once per process, not once per call."""
+    return FlexBackend()

@@ -6,6 +6,7 @@ mask reuses them.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -19,7 +20,7 @@ except ImportError:
 
 from ...compile import configure_dynamo
 from ...masks import MASK_ARGS, SCORE_ARGS, check_mask_mod, check_score_mod, mod_name, request_params
-from ..metadata import Q_TILE, AttentionMetadata, page_lists
+from ..metadata import Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists
 
 
 def _param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
@@ -85,8 +86,8 @@ def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
     O(batch), where a dense [N, num_blocks] table would be O(batch x pool).
     """
     N, M = idx_NM.shape
-    if M >= num_blocks:
-        return idx_NM
+    if M >= num_blocks:  # a list never holds more pages than the pool has
+        return idx_NM[:, :num_blocks]
     buf = idx_NM.new_zeros(N * M + num_blocks)
     buf[: N * M] = idx_NM.flatten()
     return buf.as_strided((N, num_blocks), (M, 1))
@@ -127,9 +128,11 @@ def merge_splits(out_BSHD: torch.Tensor, lse_BSH: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _compiled_flex():
     # Eager flex materialises the whole score matrix; on a GPU only the compiled kernel is acceptable,
-    # so fullgraph (no graph breaks) and a recompile budget that raises when exhausted.
+    # so fullgraph (no graph breaks) and a recompile budget that raises when exhausted. Shapes are
+    # left to automatic dynamic: a dimension seen to change (decode rows, prefill tiles) is
+    # recompiled once as symbolic instead of once per value.
     configure_dynamo()
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return torch.compile(flex_attention, fullgraph=True)
 
 
 class FlexBackend:
@@ -139,9 +142,30 @@ class FlexBackend:
         self.compile = compile  # None: compile on CUDA, eager on CPU (where Inductor's flex is slow to build)
         self.checked: set = set()
 
+    def compiled(self, device: torch.device) -> bool:
+        return self.compile if self.compile is not None else device.type == "cuda"
+
     def flex_fn(self, device: torch.device):
-        use = self.compile if self.compile is not None else device.type == "cuda"
-        return _compiled_flex() if use else flex_attention
+        return _compiled_flex() if self.compiled(device) else flex_attention
+
+    def compact(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Eager flex scores every slot of the pool it is given, so hand it only the step's pages.
+
+        The compact pool holds the used pages in block-table order and the tables are renumbered; the
+        compiled kernel skips unlisted pages by itself and keeps the whole pool (no copy).
+        """
+        P = meta.block_size
+        tables = meta.block_tables.cpu()
+        used = [tables[i, : (L + P - 1) // P] for i, L in enumerate(meta.seq_lens.tolist())]
+        pages = torch.unique(torch.cat(used)) if used else torch.zeros(1, dtype=torch.int32)
+        renumber = torch.zeros(meta.num_blocks, dtype=torch.int32)
+        renumber[pages.long()] = torch.arange(len(pages), dtype=torch.int32)
+        device = meta.block_tables.device
+        compact_tables = renumber[tables.long().clamp(0, meta.num_blocks - 1)].to(device)
+        n = max(1, len(pages))
+        return dataclasses.replace(
+            meta, block_tables=compact_tables, num_blocks=n, backend_state={"pages": pages.long().to(device)},
+            phys_to_logical=build_phys_to_logical(compact_tables, meta.seq_lens, P, n))
 
     def check_once(self, meta: AttentionMetadata, mask_mod, score_mod) -> None:
         """Run each mod eagerly on a tiny example the first time it meets a device."""
@@ -154,13 +178,16 @@ class FlexBackend:
 
     def prepare(self, meta: AttentionMetadata, mods) -> None:
         """Build each distinct mask's BlockMasks and each distinct score mod's rewrite, once per step."""
+        if not self.compiled(meta.block_tables.device) and "view" not in meta.backend_state:
+            meta.backend_state["view"] = self.compact(meta)
+        view = meta.backend_state.get("view", meta)  # the metadata the kernels see
         masks, scores = meta.backend_state.setdefault("masks", {}), meta.backend_state.setdefault("scores", {})
         for mask_mod, score_mod in mods:
             self.check_once(meta, mask_mod, score_mod)
             if mask_mod not in masks:
-                masks[mask_mod] = build_block_masks(meta, mask_mod)
+                masks[mask_mod] = build_block_masks(view, mask_mod)
             if score_mod not in scores:
-                scores[score_mod] = (paged_score(meta, score_mod, True), paged_score(meta, score_mod, False))
+                scores[score_mod] = (paged_score(view, score_mod, True), paged_score(view, score_mod, False))
 
     def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, mask_mod, score_mod, scale):
         T, Hq, D = query.shape
@@ -170,6 +197,10 @@ class FlexBackend:
             self.prepare(meta, [(mask_mod, score_mod)])
         dec_bm, pre_bm = meta.backend_state["masks"][mask_mod]
         dec_sm, pre_sm = meta.backend_state["scores"][score_mod]
+        view = meta.backend_state.get("view")
+        if view is not None:
+            pages = view.backend_state["pages"]
+            key_cache, value_cache, NB = key_cache[pages], value_cache[pages], len(pages)
         k = key_cache.view(1, NB * P, Hkv, D).transpose(1, 2)
         v = value_cache.view(1, NB * P, Hkv, D).transpose(1, 2)
         flex = self.flex_fn(query.device)

@@ -1,0 +1,146 @@
+"""CUDA graphs for pure decode steps: the whole step, metadata included, replayed from static buffers.
+
+For each batch bucket (1, 2, 4, 8, then multiples of 16 up to max_num_seqs) one graph holds:
+page map → page lists → BlockMasks → embeddings → every layer (flex reading its BlockMask from the
+static buffers) → logits. The host only copies ids, positions, slots, block tables and lengths into the
+buffers and replays; padded rows have seq_len 0, so they read no page and write a scratch slot.
+Everything baked into a graph (bucket size, split-KV count, pool size, table width, parameter names)
+is part of its key.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.metadata import AttentionMetadata, build_metadata, choose_decode_splits, plan_layout
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int
+    splits: int
+    num_blocks: int
+    table_width: int
+    params: tuple[str, ...]
+
+
+class DecodeBuffers:
+    """Static inputs for the largest bucket; a bucket uses the leading rows."""
+
+    def __init__(self, max_bs: int, width: int, params: tuple[str, ...], scratch_slot: int, device):
+        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_bs,), scratch_slot, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.params = {name: torch.zeros(max_bs, dtype=torch.long, device=device) for name in params}
+        self.scratch_slot = scratch_slot
+
+    def fill(self, input_ids, positions, slot_mapping, block_tables, seq_lens, params, bs: int) -> None:
+        """Copy one step's (already on-device) inputs in; rows n..bs become inert padding."""
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.slot_mapping[n:bs].fill_(self.scratch_slot)
+        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
+        self.seq_lens[:n].copy_(seq_lens)
+        self.seq_lens[n:bs].zero_()
+        for name, buf in self.params.items():
+            buf[:n].copy_(params[name])
+
+
+def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
+    """Everything in a decode step's metadata that depends on lengths and tables, as device ops."""
+    from ..attention.metadata import build_phys_to_logical
+    meta.phys_to_logical.copy_(build_phys_to_logical(meta.block_tables, meta.seq_lens, meta.block_size,
+                                                     meta.num_blocks))
+    q_pos = meta.seq_lens.long()[meta.tile_req] - 1
+    meta.tile_q_lo.copy_(q_pos)
+    meta.tile_q_hi.copy_(q_pos)
+    meta.backend_state = {}
+    backend.prepare(meta, mods)
+
+
+class DecodeGraphRunner:
+    """Captures and replays decode steps of `run_model(input_ids, positions, meta) -> logits`."""
+
+    def __init__(self, forward_logits, backend, mods, *, max_num_seqs: int, block_size: int, num_blocks: int,
+                 table_width: int, num_kv_heads: int, params: tuple[str, ...], scratch_slot: int, device,
+                 use_graphs: bool = True):
+        self.forward_logits, self.backend, self.mods = forward_logits, backend, mods
+        self.block_size, self.num_blocks, self.width, self.params = block_size, num_blocks, table_width, params
+        self.device = torch.device(device)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
+        self.buckets = decode_buckets(max_num_seqs)
+        self.splits = {b: choose_decode_splits(b, num_kv_heads, sms) if sms else 1 for b in self.buckets}
+        self.bufs = DecodeBuffers(max(self.buckets), table_width, params, scratch_slot, self.device)
+        self.metas: dict[int, AttentionMetadata] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[GraphKey, torch.Tensor] = {}
+        self.pool = None
+        self.graph_bytes = 0
+        self.capture_seconds = 0.0
+
+    def key(self, bs: int) -> GraphKey:
+        return GraphKey(bs, self.splits[bs], self.num_blocks, self.width, self.params)
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def static_meta(self, bs: int) -> AttentionMetadata:
+        """The bucket's metadata over views of the static buffers (layout fixed: one query per row)."""
+        if bs not in self.metas:
+            b = self.bufs
+            layout = plan_layout([1] * bs, [1] * bs, decode_splits=self.splits[bs])
+            meta = build_metadata(b.block_tables[:bs], b.seq_lens[:bs], b.slot_mapping[:bs], layout,
+                                  self.block_size, self.num_blocks, {k: v[:bs] for k, v in b.params.items()})
+            meta.backend = self.backend
+            self.metas[bs] = meta
+        return self.metas[bs]
+
+    def step(self, bs: int) -> torch.Tensor:
+        meta = self.static_meta(bs)
+        refresh_decode_metadata(meta, self.backend, self.mods)
+        return self.forward_logits(self.bufs.input_ids[:bs], self.bufs.positions[:bs], meta)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Warm up (compiles) and capture every bucket, largest first, into one shared memory pool."""
+        if not self.use_graphs:
+            return
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        for bs in sorted(self.buckets, reverse=True):
+            self.step(bs)  # compile and autotune outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[self.key(bs)] = self.step(bs)
+            self.graphs[self.key(bs)] = graph
+        torch.cuda.synchronize(self.device)
+        self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.capture_seconds = time.perf_counter() - start
+
+    @torch.inference_mode()
+    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens, params) -> torch.Tensor:
+        """Logits [n, V] for a pure decode step of n <= max bucket rows."""
+        n = input_ids.shape[0]
+        bs = self.bucket_for(n)
+        assert bs is not None and block_tables.shape[1] <= self.width, (n, block_tables.shape)
+        self.bufs.fill(input_ids, positions, slot_mapping, block_tables, seq_lens, params, bs)
+        key = self.key(bs)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return self.logits[key][:n]
+        return self.step(bs)[:n]  # CPU (or graphs off): the same static-buffer path, run eagerly

@@ -1,0 +1,61 @@
+"""Decode CUDA graphs: the static-buffer step equals the ordinary step; on a GPU, graphs == eager."""
+import pytest
+import torch
+
+from flexengine import LLM, SamplingParams
+from flexengine.compile import compile_count
+from flexengine.compile.cuda_graphs import DecodeGraphRunner, decode_buckets
+from flexengine.engine.scheduler import ScheduledBatch
+from flexengine.engine.sequence import Sequence
+
+
+def test_buckets():
+    assert decode_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and decode_buckets(256)[-1] == 256
+    assert decode_buckets(20) == [1, 2, 4, 8, 16, 20] and decode_buckets(1) == [1]
+
+
+def fake_seq(i, n, pages):
+    s = Sequence(request_id=str(i), index=0, token_ids=[(7 * i + j) % 200 + 1 for j in range(n)],
+                 num_prompt_tokens=n, params=None)
+    s.block_table, s.num_computed_tokens = pages, n - 1
+    return s
+
+
+def test_static_buffer_decode_matches_the_ordinary_step():
+    """The captured function, run eagerly: padded rows (bucket 4 for 3 requests), reused buffers."""
+    llm = LLM(block_size=8, num_kv_blocks=32, enforce_eager=True)
+    r = llm.llm_engine.runner
+    llm.generate(["warm the cache up"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    g = DecodeGraphRunner(r.forward_logits, r.backend, r.mods, max_num_seqs=4, block_size=8,
+                          num_blocks=r.num_blocks + 1, table_width=r.table_width, num_kv_heads=r.num_kv_heads,
+                          params=(), scratch_slot=r.num_blocks * 8, device="cpu")
+    for seqs in ([fake_seq(0, 20, [3, 9, 4]), fake_seq(1, 5, [7]), fake_seq(2, 9, [12, 1])],
+                 [fake_seq(3, 1, [5])]):
+        with torch.inference_mode():
+            inputs = r.prepare_step(ScheduledBatch(seqs, [1] * len(seqs)), sampling=False)
+            expected = r.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
+            got = g.run(*r.prepare_decode(seqs))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphs_equal_eager_and_no_recompiles_after_warm_up():
+    import random
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, 250) for _ in range(rng.randint(1, 300))]} for _ in range(300)]
+    lengths = [rng.randint(1, 40) for _ in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    graphed = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096)
+    assert graphed.llm_engine.runner.decode_graphs is not None
+    before = compile_count()
+    out_graphs = graphed.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up"
+    del graphed
+    eager = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, enforce_eager=True)
+    out_eager = eager.generate(prompts, params, use_tqdm=False)
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_eager))
+    assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ between graphs and eager"
