@@ -1,4 +1,4 @@
 """torch.compile policy, warm-up and CUDA-graph capture for the model runner."""
-from .policy import RECOMPILE_LIMIT, compile_count, configure_dynamo
+from .policy import RECOMPILE_LIMIT, bucket, compile_count, configure_dynamo, decode_buckets, tile_bucket
 
-__all__ = ["RECOMPILE_LIMIT", "compile_count", "configure_dynamo"]
+__all__ = ["RECOMPILE_LIMIT", "bucket", "compile_count", "configure_dynamo", "decode_buckets", "tile_bucket"]

@@ -15,11 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.metadata import AttentionMetadata, build_metadata, choose_decode_splits, plan_layout
-
-
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
-    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+from .policy import decode_buckets
 
 
 @dataclass(frozen=True)

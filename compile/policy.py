@@ -30,3 +30,19 @@ def compile_count() -> int:
     """Graphs dynamo has compiled so far in this process (a recompile adds one)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a compiled kernel and a CUDA graph: 1, 2, 4, 8, then multiples of 16."""
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+
+
+def bucket(n: int, buckets: list[int]) -> int:
+    """The smallest bucket holding n (n itself past the largest)."""
+    return next((b for b in buckets if b >= n), n)
+
+
+def tile_bucket(n: int) -> int:
+    """Prefill tiles padded to a power of two: O(log) compiled shapes, at most 2x empty tiles."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()

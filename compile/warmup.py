@@ -1,8 +1,8 @@
-"""Start-up warm-up: run dummy steps of each shape class so every compile happens before a request.
+"""Start-up warm-up: compile every prefill shape class before the first request.
 
-FlexAttention is compiled with automatic dynamic shapes: the first call specialises, the first call
-with a different size recompiles that dimension as symbolic, and later sizes reuse it. Three mixed
-steps of different sizes therefore settle both call sites (decode rows and prefill tiles).
+FlexAttention is compiled with static shapes and the engine pads prefill tiles to powers of two
+(decode rows are compiled by the CUDA-graph capture, bucket by bucket). Bucket b is warmed by one
+step of b two-token requests, one tile each, on pages no request owns yet.
 """
 from __future__ import annotations
 
@@ -10,28 +10,31 @@ import time
 
 import torch
 
+from .policy import tile_bucket
 
-def warm_up_steps(runner, sizes=((300, 2), (40, 3), (150, 0))) -> float:
-    """Run (prefill tokens, decode requests) dummy steps on pages no request owns yet; seconds taken."""
+
+def max_prefill_tiles(max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Most tiles one step can need: a tile per prefilling request plus one per 128 tokens."""
+    return tile_bucket(min(max_num_seqs, max_num_batched_tokens // 2) + -(-max_num_batched_tokens // 128))
+
+
+def warm_up_steps(runner) -> float:
+    """Run one dummy step per prefill tile bucket; returns the seconds it took."""
     from ..engine.scheduler import ScheduledBatch
     from ..engine.sequence import Sequence
-    P = runner.block_size
+    cfg = runner.config
     start = time.perf_counter()
-    for prefill_len, num_decode in sizes:
-        prefill_len = min(prefill_len, runner.max_model_len, runner.config.max_num_batched_tokens - num_decode)
-        seqs, new, page = [], [], 0
-        for n, computed in [(prefill_len, 0)] + [(min(9, runner.max_model_len), min(8, runner.max_model_len - 1))] * num_decode:
-            pages = -(-n // P)
-            if page + pages > runner.num_blocks:
-                break
-            seq = Sequence(request_id="warmup", index=0, token_ids=[0] * n, num_prompt_tokens=n, params=None)
-            seq.block_table, seq.num_computed_tokens = list(range(page, page + pages)), computed
-            page += pages
+    b = 1
+    while b <= max_prefill_tiles(cfg.max_num_batched_tokens, cfg.max_num_seqs) and b <= runner.num_blocks:
+        seqs = []
+        for i in range(b):
+            seq = Sequence(request_id="warmup", index=0, token_ids=[0, 0], num_prompt_tokens=2, params=None)
+            seq.block_table = [i]
             seqs.append(seq)
-            new.append(n - computed)
         with torch.inference_mode():
-            inputs = runner.prepare_step(ScheduledBatch(seqs, new), sampling=False)
+            inputs = runner.prepare_step(ScheduledBatch(seqs, [2] * b), sampling=False)
             runner.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
+        b *= 2
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start

@@ -66,7 +66,7 @@ else
 fi
 run_step throughput 150 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
   --input-len 256 --output-len 256 --json-out "$OUT/throughput.json"
-run_step latency 120 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --batch-size 1 --input-len 128 \
+run_step latency 120 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --max-num-seqs 1 --batch-size 1 --input-len 128 \
   --output-len 256 --num-iters 3 --json-out "$OUT/latency.json"
 B1=(); (( BATCH1 )) && B1=(--batch1)
 run_step compare_transformers $(( BATCH1 ? 300 : 200 )) "$PY" -m flexengine.benchmarks.compare_transformers "${COMMON[@]}" \
@@ -74,6 +74,6 @@ run_step compare_transformers $(( BATCH1 ? 300 : 200 )) "$PY" -m flexengine.benc
   --json-out "$OUT/compare_transformers.json"
 run_step throughput_eager 120 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --enforce-eager \
   --num-prompts "$NUM_PROMPTS" --input-len 256 --output-len 256 --json-out "$OUT/throughput_eager.json"
-run_step latency_eager 100 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --enforce-eager --batch-size 1 \
+run_step latency_eager 100 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --max-num-seqs 1 --enforce-eager --batch-size 1 \
   --input-len 128 --output-len 256 --num-iters 2 --json-out "$OUT/latency_eager.json"
 summary

@@ -4,7 +4,8 @@ import torch
 
 from flexengine import LLM, SamplingParams
 from flexengine.compile import compile_count
-from flexengine.compile.cuda_graphs import DecodeGraphRunner, decode_buckets
+from flexengine.compile import decode_buckets
+from flexengine.compile.cuda_graphs import DecodeGraphRunner
 from flexengine.engine.scheduler import ScheduledBatch
 from flexengine.engine.sequence import Sequence
 

@@ -195,7 +195,7 @@ class ModelRunner:
             tables[i, :len(s.block_table)] = s.block_table
         slots = tables[req, positions // P].astype(np.int64) * P + positions % P
 
-        layout = plan_layout(batch.num_new_tokens, seq_lens.tolist())
+        layout = plan_layout(batch.num_new_tokens, seq_lens.tolist(), **self.layout_padding(batch.num_new_tokens))
         num_blocks = self.layers[0].k_cache.shape[0]  # the attached cache (a scratch one while profiling)
         meta = build_metadata(self.to_device(tables), self.to_device(seq_lens.astype(np.int32)),
                               self.to_device(slots), layout, P, num_blocks, self.attention_params(seqs))
@@ -209,6 +209,20 @@ class ModelRunner:
             input_ids=self.to_device(ids), positions=self.to_device(positions), meta=meta,
             sample_seqs=sample_seqs, sample_rows=self.to_device(ends[done] - 1),
             sampling=self.sampling_tensors(sample_seqs) if sampling and sample_seqs else None)
+
+    def layout_padding(self, query_lens: list[int]) -> dict:
+        """On CUDA, pad decode rows and prefill tiles to the compiled buckets (the same split-KV count as
+        the decode graphs), so no step meets a shape the warm-up did not compile."""
+        if self.device.type != "cuda" or self.backend.name != "flex":
+            return {}
+        from ..attention.metadata import Q_TILE, choose_decode_splits
+        from ..compile import bucket, decode_buckets, tile_bucket
+        num_decode = sum(n == 1 for n in query_lens)
+        tiles = sum(-(-n // Q_TILE) for n in query_lens if n > 1)
+        rows = bucket(num_decode, decode_buckets(self.config.max_num_seqs)) if num_decode else 0
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return dict(pad_decode_to=rows, pad_tiles_to=tile_bucket(tiles),
+                    decode_splits=choose_decode_splits(rows, self.num_kv_heads, sms) if rows else 1)
 
     def attention_params(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         """Per-request mod parameters (SamplingParams.attention_params) as [R] tensors; absent → 0."""

@@ -129,10 +129,11 @@ def merge_splits(out_BSHD: torch.Tensor, lse_BSH: torch.Tensor) -> torch.Tensor:
 def _compiled_flex():
     # Eager flex materialises the whole score matrix; on a GPU only the compiled kernel is acceptable,
     # so fullgraph (no graph breaks) and a recompile budget that raises when exhausted. Shapes are
-    # left to automatic dynamic: a dimension seen to change (decode rows, prefill tiles) is
-    # recompiled once as symbolic instead of once per value.
+    # static: the engine pads decode rows and prefill tiles to buckets, one compile per bucket
+    # (symbolic-shape flex kernels hit an illegal memory access on torch 2.11 in the engine's mixed
+    # steps; see docs/benchmarks.md).
     configure_dynamo()
-    return torch.compile(flex_attention, fullgraph=True)
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 
 class FlexBackend:
