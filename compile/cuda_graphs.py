@@ -48,7 +48,7 @@ class DecodeBuffers:
         self.slot_mapping[n:bs].fill_(self.scratch_slot)
         self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
         self.seq_lens[:n].copy_(seq_lens)
-        self.seq_lens[n:bs].zero_()
+        self.seq_lens[n:].zero_()  # every row past n: a stale length would map its stale pages
         for name, buf in self.params.items():
             buf[:n].copy_(params[name])
 
@@ -97,8 +97,10 @@ class DecodeGraphRunner:
         if bs not in self.metas:
             b = self.bufs
             layout = plan_layout([1] * bs, [1] * bs, decode_splits=self.splits[bs])
-            meta = build_metadata(b.block_tables[:bs], b.seq_lens[:bs], b.slot_mapping[:bs], layout,
-                                  self.block_size, self.num_blocks, {k: v[:bs] for k, v in b.params.items()})
+            # Whole per-request buffers (max_num_seqs rows), as the ordinary step pads them: one
+            # compiled kernel per bucket serves both the graphs and mixed steps.
+            meta = build_metadata(b.block_tables, b.seq_lens, b.slot_mapping[:bs], layout,
+                                  self.block_size, self.num_blocks, dict(b.params))
             meta.backend = self.backend
             self.metas[bs] = meta
         return self.metas[bs]

@@ -49,6 +49,12 @@ class StepLayout:
     decode_src: np.ndarray     # per decode row (num_decode * decode_splits)
     decode_dst: np.ndarray     # per decode request
 
+    @property
+    def decode_req(self) -> np.ndarray:
+        """Request of each decode row: its own array, so the decode kernel's inputs never change shape
+        with the number of prefill tiles."""
+        return self.tile_req[: self.num_decode * self.decode_splits]
+
 
 def choose_decode_splits(num_decode: int, num_kv_heads: int, num_sms: int) -> int:
     """Enough split-KV rows to give every SM about two (row, kv-head) programs; 1 at large batch."""
@@ -121,6 +127,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor      # int64 [T]; where each new token's K/V is written
     phys_to_logical: torch.Tensor   # int32 [num_blocks]; logical page index of each physical page
     # Device copies of the layout (int64, so they index directly).
+    decode_req: torch.Tensor
     tile_req: torch.Tensor
     tile_q_lo: torch.Tensor
     tile_q_hi: torch.Tensor
@@ -153,7 +160,7 @@ def build_phys_to_logical(block_tables: torch.Tensor, seq_lens: torch.Tensor, bl
     return p2l[:num_blocks]
 
 
-_LAYOUT_FIELDS = ("tile_req", "tile_q_lo", "tile_q_hi", "tile_valid", "tile_split", "prefill_req", "prefill_pos",
+_LAYOUT_FIELDS = ("decode_req", "tile_req", "tile_q_lo", "tile_q_hi", "tile_valid", "tile_split", "prefill_req", "prefill_pos",
                   "prefill_src", "prefill_dst", "decode_src", "decode_dst")
 
 

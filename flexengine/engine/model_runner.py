@@ -190,15 +190,20 @@ class ModelRunner:
         ends = np.cumsum(query_lens)
         positions = np.repeat(starts, query_lens) + np.arange(T) - np.repeat(ends - query_lens, query_lens)
         width = max(max(len(s.block_table) for s in seqs), getattr(self, "table_width", 0))
-        tables = np.zeros((R, width), dtype=np.int32)
+        # On CUDA every per-request tensor the kernels read has max_num_seqs rows (padding: length 0,
+        # no pages), so the request count never changes a compiled shape.
+        rows = max(R, self.config.max_num_seqs) if self.device.type == "cuda" else R
+        tables = np.zeros((rows, width), dtype=np.int32)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
         slots = tables[req, positions // P].astype(np.int64) * P + positions % P
 
         layout = plan_layout(batch.num_new_tokens, seq_lens.tolist(), **self.layout_padding(batch.num_new_tokens))
         num_blocks = self.layers[0].k_cache.shape[0]  # the attached cache (a scratch one while profiling)
-        meta = build_metadata(self.to_device(tables), self.to_device(seq_lens.astype(np.int32)),
-                              self.to_device(slots), layout, P, num_blocks, self.attention_params(seqs))
+        padded_lens = np.zeros(rows, dtype=np.int32)
+        padded_lens[:R] = seq_lens
+        meta = build_metadata(self.to_device(tables), self.to_device(padded_lens),
+                              self.to_device(slots), layout, P, num_blocks, self.attention_params(seqs, rows))
         meta.backend = self.backend
         self.backend.prepare(meta, self.mods)
 
@@ -224,10 +229,11 @@ class ModelRunner:
         return dict(pad_decode_to=rows, pad_tiles_to=tile_bucket(tiles),
                     decode_splits=choose_decode_splits(rows, self.num_kv_heads, sms) if rows else 1)
 
-    def attention_params(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
-        """Per-request mod parameters (SamplingParams.attention_params) as [R] tensors; absent → 0."""
+    def attention_params(self, seqs: list[Sequence], rows: int = 0) -> dict[str, torch.Tensor]:
+        """Per-request mod parameters (SamplingParams.attention_params) as [max(R, rows)] tensors; absent → 0."""
         names = sorted({k for s in seqs if s.params is not None for k in (s.params.attention_params or {})})
-        return {name: self.to_device(np.asarray([(s.params.attention_params or {}).get(name, 0) for s in seqs]))
+        pad = [0] * max(0, rows - len(seqs))
+        return {name: self.to_device(np.asarray([(s.params.attention_params or {}).get(name, 0) for s in seqs] + pad))
                 for name in names}
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:

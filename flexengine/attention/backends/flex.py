@@ -49,7 +49,7 @@ def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool):
     values = _param_values(meta, mask_mod, MASK_ARGS)
     if decode:
         def mask(b, h, q_idx, kv_idx):
-            req = meta.tile_req[b]
+            req = meta.decode_req[b]
             lkv, live = _logical_kv(meta, req, kv_idx)
             return live & mask_mod(req, h, meta.seq_lens[req] - 1, lkv, *values)
     else:
@@ -67,7 +67,7 @@ def paged_score(meta: AttentionMetadata, score_mod, decode: bool):
     P = meta.block_size
     if decode:
         def score(s, b, h, q_idx, kv_idx):
-            req = meta.tile_req[b]
+            req = meta.decode_req[b]
             lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
             return score_mod(s, req, h, meta.seq_lens[req] - 1, lkv, *values)
     else:
