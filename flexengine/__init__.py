@@ -1,6 +1,14 @@
 """flexengine: LLM inference with FlexAttention over a paged KV cache."""
-from .llm import LLM
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import SamplingParams
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+_EXPORTS = {"LLM": ".llm", "SamplingParams": ".sampling_params", "RequestOutput": ".outputs",
+            "CompletionOutput": ".outputs", "Logprob": ".outputs"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    # Lazy, so `flexengine bench serve` (an HTTP client) and `--help` start without importing torch.
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module 'flexengine' has no attribute {name!r}")

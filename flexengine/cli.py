@@ -21,33 +21,26 @@ BENCH_COMMANDS = {
 }
 
 
-def _add(sub, name, module, help_text):
+def _add(sub, name, module, help_text, chosen: bool):
     parser = sub.add_parser(name, help=help_text, description=help_text,
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    mod = importlib.import_module(module)
-    mod.add_arguments(parser)
-    parser.set_defaults(_main=mod.main)
+    if chosen:  # import only the module that runs, so `flexengine generate` never pays for the server
+        mod = importlib.import_module(module)
+        mod.add_arguments(parser)
+        parser.set_defaults(_main=mod.main)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexengine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    # Import only the module the user asked for, so `flexengine generate` never pays for the server.
     wanted = argv[0] if argv else None
     for name, (module, help_text) in COMMANDS.items():
-        if wanted in (None, "-h", "--help") or wanted == name:
-            _add(sub, name, module, help_text)
-        else:
-            sub.add_parser(name, help=help_text)
+        _add(sub, name, module, help_text, chosen=wanted == name)
     bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     wanted_bench = argv[1] if wanted == "bench" and len(argv) > 1 else None
     for name, (module, help_text) in BENCH_COMMANDS.items():
-        listing = wanted in (None, "-h", "--help") or (wanted == "bench" and wanted_bench in (None, "-h", "--help"))
-        if listing or wanted_bench == name:
-            _add(bench_sub, name, module, help_text)
-        else:
-            bench_sub.add_parser(name, help=help_text)
+        _add(bench_sub, name, module, help_text, chosen=wanted_bench == name)
     return parser
 
 
