@@ -54,6 +54,7 @@ class PagedRunner:
                               plan_layout(query_lens, seq_lens), P, self.num_blocks)
         meta.backend = self.backend
         self.backend.prepare(meta, self.mods)
+        self.last_meta = meta  # for tests that inspect what the step built
         hidden = self.model(ids, positions, meta)
         last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         return self.model.compute_logits(hidden[last])

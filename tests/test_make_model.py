@@ -100,8 +100,10 @@ def test_default_model_deterministic_and_generates(tmp_path, monkeypatch):
     model, config, tokenizer = load_model(first)
     assert config.architectures == ["LlamaForCausalLM"] and next(model.parameters()).dtype == torch.float32
     assert config.vocab_size == len(tokenizer)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True)
-    prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert text == "<bos>user: Hi!\nassistant: "
+    prompt = tokenizer.encode(text, add_special_tokens=False)
     tokens, _ = greedy_generate(model, prompt, 32)
     assert len(set(tokens)) > 8, tokens
     assert tokenizer.eos_token_id not in tokens

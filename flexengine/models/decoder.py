@@ -6,7 +6,7 @@ q/k/v and gate/up fused into one matmul each (the loader fills them from the sep
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -46,7 +46,6 @@ class DecoderSpec:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     tie_word_embeddings: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
