@@ -20,20 +20,13 @@ PLATFORM="--only-binary=:all: --python-version 3.12 --implementation cp --platfo
           --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
           --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 
-# Files a paged FA4 forward never loads, dropped so that everything fits one 64 MiB call: CuTe DSL's IKET
-# profiler (cute.experimental substitutes a stub without it) and the AOT link stubs, static lib and header
-# of libs-cu13: 1.3 MB of the compressed size.
-DROP='^(nvidia_cutlass_dsl/dsl_packages/iket/|nvidia_cutlass_dsl/cu13/lib/stubs/|nvidia_cutlass_dsl/cu13/include/|nvidia_cutlass_dsl/cu13/lib/libcuda_dialect_runtime_static\.a$)'
-
-store_members() {  # rewrite each wheel in $1 with its members STORED (less $DROP), into $1/stored
-  python3 - "$1" "$DROP" <<'PY'
-import pathlib, re, sys, zipfile
-dl, drop = pathlib.Path(sys.argv[1]), re.compile(sys.argv[2])
+store_members() {  # rewrite each wheel in $1 with its members STORED, into $1/stored
+  python3 - "$1" <<'PY'
+import pathlib, sys, zipfile
+dl = pathlib.Path(sys.argv[1])
 for whl in sorted(dl.glob("*.whl")):
     with zipfile.ZipFile(whl) as src, zipfile.ZipFile(dl / "stored" / whl.name, "w", zipfile.ZIP_STORED) as dst:
         for info in src.infolist():  # same names, bytes, modes and RECORD: only the compression changes
-            if drop.match(info.filename):
-                continue
             data = src.read(info)
             info.compress_type = zipfile.ZIP_STORED
             dst.writestr(info, data)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: install, GPU tests, benchmarks. Stages: tests, attention, e2e (default: all).
+# One device call: install, GPU tests, benchmarks. Stages: tests, attention, e2e, serve (default: all
+# but serve; a full run needs about 15 minutes, so split it over two calls of at most 10).
 # Usage on the GPU machine: bash scripts/gpu_session.sh [stage...]; logs land in $OUT (or ./bench_out).
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
@@ -15,5 +16,7 @@ for stage in $stages; do
       timeout 300 python3 -m flexengine.benchmarks.attention --json "$OUT/attention.json" 2>&1 | grep -v Warning | tee "$OUT/attention.log" ;;
     e2e)
       timeout 400 bash scripts/e2e_bench.sh 2>&1 | tee "$OUT/e2e.log" ;;
+    serve)
+      timeout 420 bash scripts/serve_bench.sh 2>&1 | tee "$OUT/serve.log" ;;
   esac
 done

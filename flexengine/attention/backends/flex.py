@@ -23,7 +23,7 @@ from ...masks import MASK_ARGS, SCORE_ARGS, check_mask_mod, check_score_mod, mod
 from ..metadata import Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists
 
 
-def _param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
+def param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
     values = []
     for name in request_params(fn, base_args):
         if name not in meta.params:
@@ -46,7 +46,7 @@ def _logical_kv(meta: AttentionMetadata, req, kv_idx):
 
 
 def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool):
-    values = _param_values(meta, mask_mod, MASK_ARGS)
+    values = param_values(meta, mask_mod, MASK_ARGS)
     if decode:
         def mask(b, h, q_idx, kv_idx):
             req = meta.decode_req[b]
@@ -63,7 +63,7 @@ def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool):
 def paged_score(meta: AttentionMetadata, score_mod, decode: bool):
     if score_mod is None:
         return None
-    values = _param_values(meta, score_mod, SCORE_ARGS)
+    values = param_values(meta, score_mod, SCORE_ARGS)
     P = meta.block_size
     if decode:
         def score(s, b, h, q_idx, kv_idx):
@@ -96,7 +96,7 @@ def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def build_block_masks(meta: AttentionMetadata, mask_mod):
     """(decode BlockMask or None, prefill BlockMask or None) for one logical mask."""
     lay, P = meta.layout, meta.block_size
-    kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, _param_values(meta, mask_mod, MASK_ARGS))
+    kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, param_values(meta, mask_mod, MASK_ARGS))
     kv_len = meta.num_blocks * P
     Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
     M = meta.num_blocks
@@ -173,7 +173,7 @@ class FlexBackend:
         device = meta.block_tables.device
         for fn, check in ((mask_mod, check_mask_mod), (score_mod, check_score_mod)):
             if fn is not None and (fn, device) not in self.checked:
-                _param_values(meta, fn, MASK_ARGS if check is check_mask_mod else SCORE_ARGS)
+                param_values(meta, fn, MASK_ARGS if check is check_mask_mod else SCORE_ARGS)
                 check(fn, meta.params, device)
                 self.checked.add((fn, device))
 

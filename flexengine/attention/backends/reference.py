@@ -5,7 +5,7 @@ import torch
 
 from ...masks import MASK_ARGS, SCORE_ARGS
 from ..metadata import AttentionMetadata
-from .flex import _param_values
+from .flex import param_values
 
 
 class ReferenceBackend:
@@ -17,8 +17,8 @@ class ReferenceBackend:
     def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, mask_mod, score_mod, scale):
         T, Hq, D = query.shape
         NB, P, Hkv, _ = key_cache.shape
-        mvals = _param_values(meta, mask_mod, MASK_ARGS)
-        svals = _param_values(meta, score_mod, SCORE_ARGS) if score_mod is not None else []
+        mvals = param_values(meta, mask_mod, MASK_ARGS)
+        svals = param_values(meta, score_mod, SCORE_ARGS) if score_mod is not None else []
         seq_lens, query_lens = meta.layout.seq_lens, meta.layout.query_lens
         out = torch.empty_like(query)
         start = 0

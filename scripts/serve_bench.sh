@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Serving benchmark on a GPU box (issue 7): the llama-3.2-1b preset, 256 prompts of 256 in / 256 out,
+# request rate inf and 16/s against `flexengine serve`, and the offline engine's throughput on the
+# same workload in the same run. From the repo root after `pip install -e .`; logs in $OUT.
+set -u
+OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}; PORT=${PORT:-8123}; PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+[[ -f $MODEL_DIR/config.json ]] || $PY -m flexengine.cli make-model --preset llama-3.2-1b --out "$MODEL_DIR" --dtype bfloat16
+$PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 --port "$PORT" --max-waiting-requests 1024 \
+  --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null' EXIT
+for _ in $(seq 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
+for rate in inf 16; do
+  $PY -m flexengine.cli bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 256 --input-len 256 \
+    --output-len 256 --request-rate "$rate" --json-out "$OUT/serve_rate_$rate.json" 2>&1 | tee "$OUT/serve_rate_$rate.log"
+done
+kill $server; wait $server 2>/dev/null
+$PY -m flexengine.cli bench throughput --model "$MODEL_DIR" --dtype bfloat16 --num-prompts 256 --input-len 256 \
+  --output-len 256 --temperature 0 2>&1 | tee "$OUT/offline_throughput.log"
+echo "=== serving vs offline"
+grep -hE "Output token throughput|Median TPOT" "$OUT"/serve_rate_*.log
+grep -h "Throughput:" "$OUT/offline_throughput.log"
