@@ -69,7 +69,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     heads = getattr(score_fn, "num_heads", None)
     if heads is not None and heads != Hq:
         raise ValueError(f"{mod_name(score_fn)} has {heads} slopes but the query has {Hq} heads")
-    impl = get_backend(backend, [(mask_fn, score_fn)], head_dim=D)
+    impl = get_backend(backend, [(mask_fn, score_fn)], head_dim=D, block_size=key_cache.shape[1], dtype=query.dtype)
     NB, P, Hkv = key_cache.shape[:3]
     splits = 1
     if query.is_cuda:  # split-KV needs the compiled kernel's log-sum-exp, which CPU Inductor lacks

@@ -34,8 +34,8 @@ except ImportError:
 
 logger = logging.getLogger(__name__)
 
-# Head sizes with native tiles in every provider. Others (72, 80, ...) are padded or refused depending on
-# provider and GPU generation, so flexengine does not offer them through FlashAttention.
+# Head sizes FA2/FA3 build kernels for and FA4 takes on Hopper. Others (72, 80, ...) are padded up (FA2/FA3)
+# or accepted on some GPU generations only (FA4), so flexengine keeps to these.
 FLASH_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 INSTALL_HINT = "pip install flash-attn-4 (flash_attn.cute), or flash-attn (FA2/FA3)"
