@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -125,6 +126,14 @@ def merge_splits(out_BSHD: torch.Tensor, lse_BSH: torch.Tensor) -> torch.Tensor:
     return (w[..., None] * out_BSHD.float()).sum(1) / total[..., None]
 
 
+def _eager_flex(*args, **kwargs):
+    # Eager is the intended path on CPU (the pool is compacted to the step's pages first), so torch's
+    # "called without torch.compile" advice is noise there; on CUDA the compiled kernel is always used.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
+
+
 @functools.cache
 def _compiled_flex():
     # Eager flex materialises the whole score matrix; on a GPU only the compiled kernel is acceptable,
@@ -147,7 +156,7 @@ class FlexBackend:
         return self.compile if self.compile is not None else device.type == "cuda"
 
     def flex_fn(self, device: torch.device):
-        return _compiled_flex() if self.compiled(device) else flex_attention
+        return _compiled_flex() if self.compiled(device) else _eager_flex
 
     def compact(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Eager flex scores every slot of the pool it is given, so hand it only the step's pages.
