@@ -155,11 +155,11 @@ def flash_unsupported_reason(mods, head_dim: int | None, block_size: int | None 
         reason = layer_unsupported_reason(mask_mod, score_mod)
         if reason:
             return reason
+    installed = installed_providers()
+    if not installed:  # checked first: without a provider, flex is simply the default, not a fallback
+        return Unsupported("provider", f"no FlashAttention provider is installed ({INSTALL_HINT})")
     if dtype is not None and dtype not in FLASH_DTYPES:
         return Unsupported("dtype", f"dtype {dtype} is not float16 or bfloat16")
-    installed = installed_providers()
-    if not installed:
-        return Unsupported("provider", f"no FlashAttention provider is installed ({INSTALL_HINT})")
     if head_dim is not None and head_dim not in FLASH_HEAD_DIMS:
         return Unsupported("head_size", f"head size {head_dim} is not one FlashAttention supports "
                                         f"({', '.join(map(str, FLASH_HEAD_DIMS))})")
