@@ -2,6 +2,8 @@
 hard error (never a silent eager fallback) when the budget runs out."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch._dynamo
 
@@ -46,3 +48,33 @@ def bucket(n: int, buckets: list[int]) -> int:
 def tile_bucket(n: int) -> int:
     """Prefill tiles padded to a power of two: O(log) compiled shapes, at most 2x empty tiles."""
     return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+_FUSE = {"enabled": False}
+
+
+def set_fused_elementwise(enabled: bool) -> None:
+    """Turn the `fused` functions' compiled versions on (the CUDA engine) or off (eager, CPU)."""
+    _FUSE["enabled"] = enabled
+
+
+def fused(fn):
+    """Mark a pure elementwise step (a norm, rotary, an activation) for one Inductor kernel.
+
+    Compiled once with dynamic shapes, so every layer and every batch size shares the kernel; inside
+    a compiled region the plain function is traced instead. Off unless the engine turns it on.
+    """
+    compiled = None
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        nonlocal compiled
+        if not _FUSE["enabled"] or torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if compiled is None:
+            configure_dynamo()
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        return compiled(*args, **kwargs)
+
+    wrapper.eager = fn
+    return wrapper

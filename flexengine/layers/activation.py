@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compile import fused
+
 # transformers' ACT2FN names → the function that name means there.
 ACTIVATIONS = {
     "silu": F.silu,
@@ -12,6 +14,12 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,  # exact (erf) gelu, as transformers' "gelu"
 }
+
+
+@fused
+def act_and_mul(x: torch.Tensor, name: str) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return ACTIVATIONS[name](gate) * up
 
 
 def get_activation(name: str):
@@ -29,8 +37,7 @@ class ActAndMul(nn.Module):
         self.act = get_activation(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return self.act(gate) * up
+        return act_and_mul(x, self.name)
 
     def extra_repr(self) -> str:
         return self.name

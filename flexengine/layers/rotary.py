@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from ..compile import fused
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -63,6 +65,7 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
 
+@fused
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated as (x1, x2) → (x1 cos - x2 sin, x2 cos + x1 sin), in x's dtype."""
     x1, x2 = x.chunk(2, dim=-1)

@@ -19,7 +19,7 @@ try:  # torch >= 2.9 asks for the log-sum-exp through return_aux; return_lse is 
 except ImportError:
     LSE_KWARGS = {"return_lse": True}
 
-from ...compile import configure_dynamo
+from ...compile import configure_dynamo, fused
 from ...masks import MASK_ARGS, SCORE_ARGS, check_mask_mod, check_score_mod, mod_name, request_params
 from ..metadata import Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists
 
@@ -117,6 +117,7 @@ def build_block_masks(meta: AttentionMetadata, mask_mod):
     return dec, pre
 
 
+@fused
 def merge_splits(out_BSHD: torch.Tensor, lse_BSH: torch.Tensor) -> torch.Tensor:
     """Combine split-KV partial results by log-sum-exp; an empty split has lse -inf and weight 0."""
     m = lse_BSH.amax(1, keepdim=True)
@@ -156,6 +157,8 @@ class FlexBackend:
         return self.compile if self.compile is not None else device.type == "cuda"
 
     def flex_fn(self, device: torch.device):
+        if torch.compiler.is_compiling():  # inside a compiled model: dynamo traces the flex op itself
+            return flex_attention
         return _compiled_flex() if self.compiled(device) else _eager_flex
 
     def compact(self, meta: AttentionMetadata) -> AttentionMetadata:
