@@ -64,7 +64,9 @@ class EngineConfig:
     attention_backend: str | None = None  # None → FLEXENGINE_ATTENTION_BACKEND → auto
     enforce_eager: bool = False
     seed: int = 0
-    mask_mod: Any = None                  # per-kind mask overrides (semantics owned by the models side)
+    # Overrides of the model's mods: a registered name, a callable, or {layer index or kind ("global" /
+    # "sliding"): either}; None keeps the model's. Applied (and checked) by ModelRunner.
+    mask_mod: Any = None
     score_mod: Any = None
 
     def __post_init__(self):

@@ -6,6 +6,8 @@ of queries at positions q_lo..q_hi (inclusive) it returns half-open token ranges
 `(any_lo, any_hi, all_lo, all_hi)` such that every kv the mask allows for some query of the tile lies
 in [any_lo, any_hi) and every kv in [all_lo, all_hi) is allowed for all of them. The engine turns these
 into page lists and full pages; a mask without bounds visits all of a request's pages.
+A mask with `causal_safe = True` never lets a query see a later key, so a token's K/V depends only
+on the tokens before it and its pages may be shared through the prefix cache.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def causal(b, h, q_idx, kv_idx):
 
 
 causal.kv_bounds = lambda b, q_lo, q_hi, kv_len: (_zeros(q_lo), q_hi + 1, _zeros(q_lo), q_lo + 1)
+causal.causal_safe = True  # never lets a query see a later key: its pages can go in the prefix cache
 
 
 @register_mask_mod("bidirectional")
@@ -52,6 +55,7 @@ def sliding_window(window: int):
         (q_lo - window + 1).clamp(min=0), q_hi + 1, (q_hi - window + 1).clamp(min=0), q_lo + 1)
     sliding_window_mask.mod_name = f"sliding_window({window})"
     sliding_window_mask.flash_window = window
+    sliding_window_mask.causal_safe = True
     return sliding_window_mask
 
 
@@ -65,6 +69,7 @@ def chunked_local(chunk: int):
     chunked_local_mask.kv_bounds = lambda b, q_lo, q_hi, kv_len: (
         (q_lo // chunk) * chunk, q_hi + 1, (q_hi // chunk) * chunk, q_lo + 1)
     chunked_local_mask.mod_name = f"chunked_local({chunk})"
+    chunked_local_mask.causal_safe = True
     return chunked_local_mask
 
 
@@ -164,13 +169,23 @@ def _or_bounds(parts):
     return lo, hi, flo, fhi
 
 
+def _causal_safe(mod) -> bool:
+    return getattr(mod, "causal_safe", False)
+
+
 def and_masks(*mods):
     """A mask allowing (q, kv) only where every mod allows it."""
-    return _combine([get_mask_mod(m) for m in mods], torch.logical_and, _and_bounds, "and")
+    mods = [get_mask_mod(m) for m in mods]
+    combined = _combine(mods, torch.logical_and, _and_bounds, "and")
+    combined.causal_safe = any(_causal_safe(m) for m in mods)  # one causal-safe part bounds the whole
+    return combined
 
 
 def or_masks(*mods):
     """A mask allowing (q, kv) where any mod allows it."""
-    return _combine([get_mask_mod(m) for m in mods], torch.logical_or, _or_bounds, "or")
+    mods = [get_mask_mod(m) for m in mods]
+    combined = _combine(mods, torch.logical_or, _or_bounds, "or")
+    combined.causal_safe = all(_causal_safe(m) for m in mods)
+    return combined
 
 

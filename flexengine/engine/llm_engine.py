@@ -10,9 +10,12 @@ ValueError and leaves the engine exactly as it was.
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
 
 from ..config import EngineConfig
+from ..masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer
@@ -20,6 +23,29 @@ from .block_manager import BlockManager
 from .model_runner import ModelRunner, text_config
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def prefix_cache_unsafe_reason(mods, masks_only: bool = False) -> str | None:
+    """Why cached pages could be wrong to reuse with these (mask, score) mods, or None when they are safe.
+
+    A cached page is reused by any request with the same leading tokens, so its K/V must depend on those
+    tokens alone. A mask that lets a query see a later key breaks that in every layer after the first (a
+    token's hidden state, hence its K/V, then depends on what follows), and so does a mod reading
+    per-request parameters (the same tokens get other K/V under other values). Only masks marked
+    `causal_safe` (causal, sliding_window, chunked_local, and_masks with one of them, or_masks of them)
+    are trusted; a user's mask without the mark counts as unsafe.
+    """
+    for mask, score in mods:
+        if not getattr(mask, "causal_safe", False):
+            return f"mask {mod_name(mask)} is not known to be causal (no causal_safe = True)"
+        if masks_only:
+            continue
+        for fn, base in ((mask, MASK_ARGS), (score, SCORE_ARGS)):
+            if fn is not None and request_params(fn, base):
+                return f"{mod_name(fn)} reads per-request parameters {', '.join(request_params(fn, base))}"
+    return None
 
 
 class LLMEngine:
@@ -29,10 +55,21 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.look_ahead = prefix_cache_unsafe_reason(self.runner.mods, masks_only=True)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self._use_prefix_cache())
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   whole_prompts=self.look_ahead is not None)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = self._eos_token_ids()
+
+    def _use_prefix_cache(self) -> bool:
+        """The prefix cache as asked for, unless the layers' mods would make shared pages wrong."""
+        if not self.config.enable_prefix_caching:
+            return False
+        reason = prefix_cache_unsafe_reason(self.runner.mods)
+        if reason:
+            logger.info("prefix caching is off: %s", reason)
+        return reason is None
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set()
@@ -95,6 +132,10 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens, more than max_model_len={self.max_model_len}")
+        if self.look_ahead and len(prompt_ids) > self.config.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, more than max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens}; it must be computed in one step because "
+                             f"{self.look_ahead}, so raise max_num_batched_tokens")
         if self.block_manager.blocks_for(len(prompt_ids)) > self.num_total_blocks:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens, more than the KV cache can ever hold "
                              f"({self.num_total_blocks} blocks of {self.block_manager.block_size})")
@@ -105,9 +146,23 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer, and this model has none (use stop_token_ids)")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {self.vocab_size}")
-        for name, value in (params.attention_params or {}).items():
-            if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"attention_params must map names to numbers, got {name!r}: {value!r}")
+        self.validate_attention_params(params.attention_params or {})
+
+    def validate_attention_params(self, given: dict) -> None:
+        """Every parameter the layers' mods read, as a number; a key no mod reads is a mistake (a typo
+        would otherwise leave the mod reading 0)."""
+        read = self.runner.param_names  # {name: the mod reading it}
+        for name, value in given.items():
+            if name not in read:
+                raise ValueError(f"attention_params key {name!r} is read by no mod of this model "
+                                 f"(they read: {', '.join(map(repr, read)) or 'nothing'})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                    (isinstance(value, int) and not -2 ** 63 <= value < 2 ** 63):
+                raise ValueError(f"attention_params[{name!r}] must be a finite int (int64) or float, got {value!r}")
+        for name, mod in read.items():
+            if name not in given:
+                raise ValueError(f"mod {mod} reads the per-request parameter {name!r}: pass "
+                                 f"SamplingParams(attention_params={{{name!r}: ...}})")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Queue a request; raises ValueError (and changes nothing) when it is invalid."""

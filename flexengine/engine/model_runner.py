@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain
 
@@ -21,6 +22,8 @@ from ..attention.metadata import AttentionMetadata, build_metadata, plan_layout
 from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN_CAP, MAX_KV_POOL_ELEMENTS,
                       EngineConfig)
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from ..masks import MASK_ARGS, SCORE_ARGS, check_mask_mod, check_score_mod, get_mask_mod, get_score_mod, mod_name, \
+    request_params
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -50,6 +53,72 @@ def text_config(hf_config):
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
+def param_array(values: list) -> np.ndarray:
+    """One dtype per parameter and step: int64 when every value is an int, else float32."""
+    return np.asarray(values, dtype=np.int64 if all(isinstance(v, int) for v in values) else np.float32)
+
+
+def mod_params(mods) -> dict[str, str]:
+    """{per-request parameter: the mod that reads it} over the layers' (mask, score) pairs."""
+    names = {}
+    for mask, score in mods:
+        for fn, base in ((mask, MASK_ARGS), (score, SCORE_ARGS)):
+            for name in request_params(fn, base) if fn is not None else ():
+                names.setdefault(name, mod_name(fn))
+    return names
+
+
+# ---------------------------------------------------------------- LLM(mask_mod=..., score_mod=...)
+def override_targets(layers, spec, what: str) -> dict[int, object]:
+    """{layer index: mod} for an override: one mod for every layer, or a mapping keyed by layer index
+    or layer kind ("global" / "sliding"); an index key wins over its layer's kind key."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        return {i: spec for i in range(len(layers))}
+    kinds = sorted({a.kind for a in layers})
+    targets, by_index = {}, {}
+    for key, mod in spec.items():
+        if isinstance(key, str):
+            if key not in kinds:
+                raise ValueError(f"{what} key {key!r} is not a layer kind of this model (its kinds: "
+                                 f"{', '.join(map(repr, kinds))})")
+            targets.update({i: mod for i, a in enumerate(layers) if a.kind == key})
+        elif isinstance(key, int) and not isinstance(key, bool):
+            if not 0 <= key < len(layers):
+                raise ValueError(f"{what} key {key} is not a layer index: the model has layers 0..{len(layers) - 1}")
+            by_index[key] = mod
+        else:
+            raise ValueError(f"{what} keys must be layer indices or kinds ('global', 'sliding'), got {key!r}")
+    return {**targets, **by_index}
+
+
+def example_params(fn, base_args) -> dict:
+    return {name: torch.ones(1, dtype=torch.long) for name in request_params(fn, base_args)}
+
+
+def apply_mod_overrides(layers, mask_spec, score_spec) -> None:
+    """Set the overridden layers' mods, each checked once here so a broken mod fails at LLM(...).
+
+    A name or a callable resolves to ONE object for all its layers, so the metadata builder still makes
+    one BlockMask per distinct mask and step.
+    """
+    masks = override_targets(layers, mask_spec, "mask_mod")
+    for i, mod in masks.items():
+        layers[i].mask_mod = get_mask_mod(mod)
+    for fn in {layers[i].mask_mod for i in masks}:
+        check_mask_mod(fn, example_params(fn, MASK_ARGS))
+    for i, mod in override_targets(layers, score_spec, "score_mod").items():
+        fn = get_score_mod(mod)  # None in a mapping removes the layer's score mod
+        heads = getattr(fn, "num_heads", None)
+        if heads is not None and heads != layers[i].num_heads:
+            raise ValueError(f"score_mod {mod_name(fn)} has {heads} slopes but layer {i} has {layers[i].num_heads} "
+                             f"query heads")
+        if fn is not None:
+            check_score_mod(fn, example_params(fn, SCORE_ARGS), num_heads=layers[i].num_heads)
+        layers[i].score_mod = fn
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         from ..models.loader import load_model  # the model side; imported here so the engine imports stay light
@@ -63,6 +132,7 @@ class ModelRunner:
             self.model_path = os.fspath(config.model)
         self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
         self.layers = self.model.attention_layers()
+        apply_mod_overrides(self.layers, config.mask_mod, config.score_mod)  # before the backend is chosen
         first = self.layers[0]
         assert all((a.num_kv_heads, a.head_dim) == (first.num_kv_heads, first.head_dim) for a in self.layers), \
             "one KV cache shape for every layer"
@@ -71,7 +141,9 @@ class ModelRunner:
         self.vocab_size = text_config(self.hf_config).vocab_size
         self.block_size = config.block_size
         self.mods = [(a.mask_mod, a.score_mod) for a in self.layers]
-        self.backend = get_backend(config.attention_backend, self.mods, self.head_dim)
+        self.param_names = mod_params(self.mods)
+        self.backend = get_backend(config.attention_backend, self.mods, self.head_dim, block_size=config.block_size,
+                                   dtype=self.dtype)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
 
@@ -84,6 +156,8 @@ class ModelRunner:
         # A fixed table width keeps every compiled shape (and stride) the same from step to step.
         self.table_width = -(-self.max_model_len // self.block_size)
         self.decode_graphs = None
+        from ..compile import set_fused_elementwise
+        set_fused_elementwise(self.device.type == "cuda" and not config.enforce_eager)
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "flex":
             from ..compile.warmup import warm_up_steps
             logger.info("warm-up (compiles prefill and mixed steps): %.1f s", warm_up_steps(self))
@@ -230,11 +304,15 @@ class ModelRunner:
                     decode_splits=choose_decode_splits(rows, self.num_kv_heads, sms) if rows else 1)
 
     def attention_params(self, seqs: list[Sequence], rows: int = 0) -> dict[str, torch.Tensor]:
-        """Per-request mod parameters (SamplingParams.attention_params) as [max(R, rows)] tensors; absent → 0."""
-        names = sorted({k for s in seqs if s.params is not None for k in (s.params.attention_params or {})})
+        """Per-request mod parameters (SamplingParams.attention_params) as [max(R, rows)] tensors.
+
+        Every parameter a layer's mod reads is present (absent → 0: warm-up, profiling and padding rows);
+        a name is int64 when all its values in the step are ints, else float32.
+        """
+        given = [(s.params.attention_params or {}) if s.params is not None else {} for s in seqs]
+        names = sorted(set(self.param_names).union(*given))
         pad = [0] * max(0, rows - len(seqs))
-        return {name: self.to_device(np.asarray([(s.params.attention_params or {}).get(name, 0) for s in seqs] + pad))
-                for name in names}
+        return {name: self.to_device(param_array([g.get(name, 0) for g in given] + pad)) for name in names}
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]
@@ -301,8 +379,11 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
         """One step: → (sequences that got a token, their sampler output)."""
         if self.decode_with_graphs(batch):
-            logits = self.decode_graphs.run(*self.prepare_decode(batch.seqs))
-            return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs))
+            inputs = self.prepare_decode(batch.seqs)
+            # The graphs' parameter buffers are int64; a float parameter takes the ordinary path.
+            if not any(t.is_floating_point() for t in inputs[-1].values()):
+                logits = self.decode_graphs.run(*inputs)
+                return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs))
         inputs = self.prepare_step(batch)
         hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seqs:

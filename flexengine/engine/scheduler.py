@@ -33,9 +33,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 whole_prompts: bool = False):
         self.block_manager = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        # A look-ahead mask (bidirectional, prefix-LM) lets prompt tokens see later prompt tokens, so a
+        # prompt must be computed in one step: a chunk never ends inside the prompt.
+        self.whole_prompts = whole_prompts
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
@@ -62,6 +66,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed_tokens, budget)
+            if n < self.min_chunk(seq, seq.num_computed_tokens):
+                continue  # the rest of its prompt does not fit this step
             while not self.block_manager.can_allocate(seq, n):
                 victim = self.running[-1]
                 budget += self._preempt(victim, batch)
@@ -76,13 +82,18 @@ class Scheduler:
             budget = self._admit_waiting(batch, budget)
         return batch
 
+    def min_chunk(self, seq: Sequence, computed: int) -> int:
+        """Fewest tokens a step may give `seq`: 1, or with whole prompts all of its uncomputed prompt."""
+        return max(1, seq.num_prompt_tokens - computed) if self.whole_prompts else 1
+
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.block_manager.cached_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            cached = len(hits) * self.block_manager.block_size
+            n = min(seq.num_tokens - cached, budget)
             assert n >= 1
-            if not self.block_manager.can_allocate(seq, n, hits):
+            if n < self.min_chunk(seq, cached) or not self.block_manager.can_allocate(seq, n, hits):
                 break
             self.block_manager.allocate(seq, n, hits)
             self.waiting.popleft()
