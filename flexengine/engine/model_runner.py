@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain
 
@@ -22,8 +21,7 @@ from ..attention.metadata import AttentionMetadata, build_metadata, plan_layout
 from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN_CAP, MAX_KV_POOL_ELEMENTS,
                       EngineConfig)
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
-from ..masks import MASK_ARGS, SCORE_ARGS, check_mask_mod, check_score_mod, get_mask_mod, get_score_mod, mod_name, \
-    request_params
+from .layer_mods import apply_mod_overrides, mod_params
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -56,67 +54,6 @@ def text_config(hf_config):
 def param_array(values: list) -> np.ndarray:
     """One dtype per parameter and step: int64 when every value is an int, else float32."""
     return np.asarray(values, dtype=np.int64 if all(isinstance(v, int) for v in values) else np.float32)
-
-
-def mod_params(mods) -> dict[str, str]:
-    """{per-request parameter: the mod that reads it} over the layers' (mask, score) pairs."""
-    names = {}
-    for mask, score in mods:
-        for fn, base in ((mask, MASK_ARGS), (score, SCORE_ARGS)):
-            for name in request_params(fn, base) if fn is not None else ():
-                names.setdefault(name, mod_name(fn))
-    return names
-
-
-# ---------------------------------------------------------------- LLM(mask_mod=..., score_mod=...)
-def override_targets(layers, spec, what: str) -> dict[int, object]:
-    """{layer index: mod} for an override: one mod for every layer, or a mapping keyed by layer index
-    or layer kind ("global" / "sliding"); an index key wins over its layer's kind key."""
-    if spec is None:
-        return {}
-    if not isinstance(spec, Mapping):
-        return {i: spec for i in range(len(layers))}
-    kinds = sorted({a.kind for a in layers})
-    targets, by_index = {}, {}
-    for key, mod in spec.items():
-        if isinstance(key, str):
-            if key not in kinds:
-                raise ValueError(f"{what} key {key!r} is not a layer kind of this model (its kinds: "
-                                 f"{', '.join(map(repr, kinds))})")
-            targets.update({i: mod for i, a in enumerate(layers) if a.kind == key})
-        elif isinstance(key, int) and not isinstance(key, bool):
-            if not 0 <= key < len(layers):
-                raise ValueError(f"{what} key {key} is not a layer index: the model has layers 0..{len(layers) - 1}")
-            by_index[key] = mod
-        else:
-            raise ValueError(f"{what} keys must be layer indices or kinds ('global', 'sliding'), got {key!r}")
-    return {**targets, **by_index}
-
-
-def example_params(fn, base_args) -> dict:
-    return {name: torch.ones(1, dtype=torch.long) for name in request_params(fn, base_args)}
-
-
-def apply_mod_overrides(layers, mask_spec, score_spec) -> None:
-    """Set the overridden layers' mods, each checked once here so a broken mod fails at LLM(...).
-
-    A name or a callable resolves to ONE object for all its layers, so the metadata builder still makes
-    one BlockMask per distinct mask and step.
-    """
-    masks = override_targets(layers, mask_spec, "mask_mod")
-    for i, mod in masks.items():
-        layers[i].mask_mod = get_mask_mod(mod)
-    for fn in {layers[i].mask_mod for i in masks}:
-        check_mask_mod(fn, example_params(fn, MASK_ARGS))
-    for i, mod in override_targets(layers, score_spec, "score_mod").items():
-        fn = get_score_mod(mod)  # None in a mapping removes the layer's score mod
-        heads = getattr(fn, "num_heads", None)
-        if heads is not None and heads != layers[i].num_heads:
-            raise ValueError(f"score_mod {mod_name(fn)} has {heads} slopes but layer {i} has {layers[i].num_heads} "
-                             f"query heads")
-        if fn is not None:
-            check_score_mod(fn, example_params(fn, SCORE_ARGS), num_heads=layers[i].num_heads)
-        layers[i].score_mod = fn
 
 
 class ModelRunner:
@@ -343,9 +280,7 @@ class ModelRunner:
 
     def capture_decode_graphs(self):
         from ..compile.cuda_graphs import DecodeGraphRunner
-        from ..masks import MASK_ARGS, SCORE_ARGS, request_params
-        params = tuple(sorted({p for m, sc in self.mods for p in request_params(m, MASK_ARGS)} |
-                              {p for m, sc in self.mods if sc is not None for p in request_params(sc, SCORE_ARGS)}))
+        params = tuple(sorted(self.param_names))
         graphs = DecodeGraphRunner(
             self.forward_logits, self.backend, self.mods, max_num_seqs=self.config.max_num_seqs,
             block_size=self.block_size, num_blocks=self.num_blocks + 1, table_width=self.table_width,

@@ -1,0 +1,70 @@
+"""The layers' attention mods: LLM(mask_mod=..., score_mod=...) overrides and the per-request
+parameters those mods read."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..masks import (MASK_ARGS, SCORE_ARGS, check_mask_mod, check_score_mod, get_mask_mod, get_score_mod, mod_name,
+                     request_params)
+
+
+def mod_params(mods) -> dict[str, str]:
+    """{per-request parameter: the mod that reads it} over the layers' (mask, score) pairs."""
+    names = {}
+    for mask, score in mods:
+        for fn, base in ((mask, MASK_ARGS), (score, SCORE_ARGS)):
+            for name in request_params(fn, base) if fn is not None else ():
+                names.setdefault(name, mod_name(fn))
+    return names
+
+
+def override_targets(layers, spec, what: str) -> dict[int, object]:
+    """{layer index: mod} for an override: one mod for every layer, or a mapping keyed by layer index
+    or layer kind ("global" / "sliding"); an index key wins over its layer's kind key."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        return {i: spec for i in range(len(layers))}
+    kinds = sorted({a.kind for a in layers})
+    targets, by_index = {}, {}
+    for key, mod in spec.items():
+        if isinstance(key, str):
+            if key not in kinds:
+                raise ValueError(f"{what} key {key!r} is not a layer kind of this model (its kinds: "
+                                 f"{', '.join(map(repr, kinds))})")
+            targets.update({i: mod for i, a in enumerate(layers) if a.kind == key})
+        elif isinstance(key, int) and not isinstance(key, bool):
+            if not 0 <= key < len(layers):
+                raise ValueError(f"{what} key {key} is not a layer index: the model has layers 0..{len(layers) - 1}")
+            by_index[key] = mod
+        else:
+            raise ValueError(f"{what} keys must be layer indices or kinds ('global', 'sliding'), got {key!r}")
+    return {**targets, **by_index}
+
+
+def example_params(fn, base_args) -> dict:
+    return {name: torch.ones(1, dtype=torch.long) for name in request_params(fn, base_args)}
+
+
+def apply_mod_overrides(layers, mask_spec, score_spec) -> None:
+    """Set the overridden layers' mods, each checked once here so a broken mod fails at LLM(...).
+
+    A name or a callable resolves to ONE object for all its layers, so the metadata builder still makes
+    one BlockMask per distinct mask and step.
+    """
+    masks = override_targets(layers, mask_spec, "mask_mod")
+    for i, mod in masks.items():
+        layers[i].mask_mod = get_mask_mod(mod)
+    for fn in {layers[i].mask_mod for i in masks}:
+        check_mask_mod(fn, example_params(fn, MASK_ARGS))
+    for i, mod in override_targets(layers, score_spec, "score_mod").items():
+        fn = get_score_mod(mod)  # None in a mapping removes the layer's score mod
+        heads = getattr(fn, "num_heads", None)
+        if heads is not None and heads != layers[i].num_heads:
+            raise ValueError(f"score_mod {mod_name(fn)} has {heads} slopes but layer {i} has {layers[i].num_heads} "
+                             f"query heads")
+        if fn is not None:
+            check_score_mod(fn, example_params(fn, SCORE_ARGS), num_heads=layers[i].num_heads)
+        layers[i].score_mod = fn
