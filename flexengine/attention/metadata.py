@@ -64,7 +64,7 @@ def choose_decode_splits(num_decode: int, num_kv_heads: int, num_sms: int) -> in
 def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int = 0,
                 pad_tiles_to: int = 0, decode_splits: int = 1) -> StepLayout:
     """Place each request's queries: query_len 1 → decode rows, longer → whole prefill tiles."""
-    assert decode_splits >= 1
+    assert decode_splits >= 1 and len(query_lens) > 0
     ql = np.asarray(query_lens, dtype=np.int64)
     sl = np.asarray(seq_lens, dtype=np.int64)
     T = int(ql.sum())
@@ -86,19 +86,17 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
     t_lo = ctx[t_req] + t_k * Q_TILE
     t_hi = np.minimum(t_lo + Q_TILE, sl[t_req]) - 1
 
-    rows = np.arange(Tp * Q_TILE)
-    row_tile = rows // Q_TILE
-    real_tile = row_tile < len(t_req)
-    rt = np.minimum(row_tile, max(len(t_req) - 1, 0))
-    row_k = rows % Q_TILE + (t_k[rt] * Q_TILE if len(t_req) else 0)
-    row_req = t_req[rt] if len(t_req) else np.zeros_like(rows)
-    row_valid = real_tile & (row_k < ql[row_req]) if len(t_req) else np.zeros(len(rows), bool)
-    prefill_src = np.where(row_valid, starts[row_req] + row_k, 0) if len(t_req) else np.zeros_like(rows)
-    prefill_dst = np.where(row_valid, prefill_src, T)
-    prefill_pos = ctx[row_req] + row_k if len(t_req) else np.zeros_like(rows)
-
+    # Padding tiles (to pad_tiles_to) belong to request 0 and hold no valid row.
     tile_pad = Tp - len(t_req)
     z = lambda n: np.zeros(n, np.int64)  # noqa: E731
+    tile_of_row = np.arange(Tp * Q_TILE) // Q_TILE
+    row_req = np.concatenate([t_req, z(tile_pad)])[tile_of_row]
+    row_k = np.arange(Tp * Q_TILE) % Q_TILE + np.concatenate([t_k, z(tile_pad)])[tile_of_row] * Q_TILE
+    row_valid = (tile_of_row < len(t_req)) & (row_k < ql[row_req])
+    prefill_src = np.where(row_valid, starts[row_req] + row_k, 0)
+    prefill_dst = np.where(row_valid, prefill_src, T)
+    prefill_pos = ctx[row_req] + row_k
+
     S = decode_splits
     dreq = np.repeat(np.concatenate([dec, z(dec_pad)]), S)
     dpos = np.repeat(np.concatenate([sl[dec] - 1, z(dec_pad)]), S)
