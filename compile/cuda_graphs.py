@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.metadata import AttentionMetadata, build_metadata, choose_decode_splits, plan_layout
+from ..attention.metadata import (AttentionMetadata, build_metadata, build_phys_to_logical, choose_decode_splits,
+                                  plan_layout)
 from .policy import decode_buckets
 
 
@@ -55,7 +56,6 @@ class DecodeBuffers:
 
 def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
     """Everything in a decode step's metadata that depends on lengths and tables, as device ops."""
-    from ..attention.metadata import build_phys_to_logical
     meta.phys_to_logical.copy_(build_phys_to_logical(meta.block_tables, meta.seq_lens, meta.block_size,
                                                      meta.num_blocks))
     q_pos = meta.seq_lens.long()[meta.tile_req] - 1
