@@ -218,8 +218,8 @@ class FlexBackend:
         v = value_cache.view(1, NB * P, Hkv, D).transpose(1, 2)
         flex = self.flex_fn(query.device)
         gqa = Hq != Hkv
-        # the kernel's kv tile must divide the page; default tiles are 64-128 wide
-        opts = {"kernel_options": {"BLOCK_N": P}} if P < 64 else {}
+        # the kernel's kv tile must divide the page; default tiles can be 128 wide
+        opts = {"kernel_options": {"BLOCK_N": P}} if P < 128 else {}
         out = query.new_empty(T + 1, Hq, D)  # row T swallows padding rows
         if lay.num_decode:
             qd = query[meta.decode_src].unsqueeze(2)  # [Bd * S, Hq, 1, D]
