@@ -75,9 +75,8 @@ class DecodeGraphRunner:
         self.block_size, self.num_blocks, self.width, self.params = block_size, num_blocks, table_width, params
         self.device = torch.device(device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
         self.buckets = decode_buckets(max_num_seqs)
-        self.splits = {b: choose_decode_splits(b, num_kv_heads, sms) if sms else 1 for b in self.buckets}
+        self.splits = {b: choose_decode_splits(b, num_kv_heads, self.device) for b in self.buckets}
         self.bufs = DecodeBuffers(max(self.buckets), table_width, params, scratch_slot, self.device)
         self.metas: dict[int, AttentionMetadata] = {}
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}

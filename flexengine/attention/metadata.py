@@ -17,6 +17,7 @@ Everything shape-determining (how many decode rows and prefill tiles) is compute
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,9 +57,20 @@ class StepLayout:
         return self.tile_req[: self.num_decode * self.decode_splits]
 
 
-def choose_decode_splits(num_decode: int, num_kv_heads: int, num_sms: int) -> int:
-    """Enough split-KV rows to give every SM about two (row, kv-head) programs; 1 at large batch."""
-    return max(1, min(32, (2 * num_sms) // max(1, num_decode * num_kv_heads)))
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_decode_splits(num_decode: int, num_kv_heads: int, device) -> int:
+    """Enough split-KV rows to give every SM about two (row, kv-head) programs; 1 at large batch.
+
+    Always 1 off CUDA: merging splits needs the kernel's log-sum-exp, which CPU Inductor lacks.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or num_decode == 0:
+        return 1
+    return max(1, min(32, (2 * _num_sms(device)) // (num_decode * num_kv_heads)))
 
 
 def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int = 0,

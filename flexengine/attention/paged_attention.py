@@ -71,10 +71,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
         raise ValueError(f"{mod_name(score_fn)} has {heads} slopes but the query has {Hq} heads")
     impl = get_backend(backend, [(mask_fn, score_fn)], head_dim=D, block_size=key_cache.shape[1], dtype=query.dtype)
     NB, P, Hkv = key_cache.shape[:3]
-    splits = 1
-    if query.is_cuda:  # split-KV needs the compiled kernel's log-sum-exp, which CPU Inductor lacks
-        num_decode = sum(n == 1 for n in ql)
-        splits = choose_decode_splits(num_decode, Hkv, torch.cuda.get_device_properties(query.device).multi_processor_count)
+    splits = choose_decode_splits(sum(n == 1 for n in ql), Hkv, query.device)
     layout = plan_layout(ql, sl, decode_splits=splits)
     params = {k: torch.as_tensor(v, device=query.device) for k, v in (attention_params or {}).items()}
     meta = build_metadata(block_tables.to(torch.int32), seq_lens.to(torch.int32),

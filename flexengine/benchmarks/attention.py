@@ -60,8 +60,7 @@ def flex_times(seq_lens, query_lens, page, Hq, Hkv, D, device):
     q, kc, vc, bt = paged_step(seq_lens, query_lens, page, Hq, Hkv, D, device)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     backend = FlexBackend(compile=True)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = choose_decode_splits(sum(n == 1 for n in query_lens), Hkv, sms)
+    splits = choose_decode_splits(sum(n == 1 for n in query_lens), Hkv, device)
     slots = torch.empty(0, dtype=torch.long, device=device)
 
     def build():

@@ -236,9 +236,8 @@ class ModelRunner:
         num_decode = sum(n == 1 for n in query_lens)
         tiles = sum(-(-n // Q_TILE) for n in query_lens if n > 1)
         rows = bucket(num_decode, decode_buckets(self.config.max_num_seqs)) if num_decode else 0
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return dict(pad_decode_to=rows, pad_tiles_to=tile_bucket(tiles),
-                    decode_splits=choose_decode_splits(rows, self.num_kv_heads, sms) if rows else 1)
+                    decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device))
 
     def attention_params(self, seqs: list[Sequence], rows: int = 0) -> dict[str, torch.Tensor]:
         """Per-request mod parameters (SamplingParams.attention_params) as [max(R, rows)] tensors.
@@ -301,8 +300,7 @@ class ModelRunner:
             packed[2, i] = s.block_table[pos // P] * P + pos % P
             packed[4:4 + len(s.block_table), i] = s.block_table
         dev = self.to_device(packed)
-        params = {name: t for name, t in self.attention_params(seqs).items()}
-        return dev[0], dev[1], dev[2], dev[4:].T.int(), dev[3].int(), params
+        return dev[0], dev[1], dev[2], dev[4:].T.int(), dev[3].int(), self.attention_params(seqs)
 
     def decode_with_graphs(self, batch: ScheduledBatch) -> bool:
         g = self.decode_graphs
