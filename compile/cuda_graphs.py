@@ -77,7 +77,8 @@ class DecodeGraphRunner:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.buckets = decode_buckets(max_num_seqs)
         self.splits = {b: choose_decode_splits(b, num_kv_heads, self.device) for b in self.buckets}
-        self.bufs = DecodeBuffers(max(self.buckets), table_width, params, scratch_slot, self.device)
+        with torch.inference_mode():  # as the ordinary step's tensors: a dispatch-key difference is a recompile
+            self.bufs = DecodeBuffers(max(self.buckets), table_width, params, scratch_slot, self.device)
         self.metas: dict[int, AttentionMetadata] = {}
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}
@@ -111,10 +112,13 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Warm up (compiles) and capture every bucket, largest first, into one shared memory pool."""
-        if not self.use_graphs:
-            return
+        """Compile every bucket, then (on CUDA) capture it, largest first, into one shared memory pool."""
         start = time.perf_counter()
+        if not self.use_graphs:
+            for bs in self.buckets:
+                self.step(bs)
+            self.capture_seconds = time.perf_counter() - start
+            return
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self.pool = torch.cuda.graph_pool_handle()

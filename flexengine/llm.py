@@ -54,7 +54,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, final_only=True)
                 ids.append(rid)
         except ValueError:
             for rid in ids:  # an invalid prompt rejects the whole call; undo the ones queued before it

@@ -52,7 +52,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: whatever is still held back (possibly with U+FFFD)."""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset]).rstrip("\ufffd")  # as in `add`
         full = self._decode(self.ids[self.prefix_offset:])
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

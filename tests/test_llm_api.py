@@ -5,6 +5,8 @@ queued, and the same LLM must then serve the next call normally."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flexengine
 from flexengine import LLM, CompletionOutput, RequestOutput, SamplingParams
@@ -154,3 +156,22 @@ def test_default_max_model_len_fits_the_cache():
     small = LLM(num_kv_blocks=4, block_size=8)
     assert small.llm_engine.max_model_len == 32  # capped by the cache when not asked for
     assert VOCAB == 300
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), max_tokens=st.integers(1, 24), stop_at=st.integers(0, 255))
+def test_offline_text_decoded_at_the_end_equals_streamed_text(llm, seed, max_tokens, stop_at):
+    """LLM.generate decodes a request's text once, when it finishes; the step API decodes token by
+    token. Random sampling on the byte-level default model makes split UTF-8 characters, stop tokens
+    and length cut-offs; both must give the same text."""
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, stop_token_ids=[stop_at])
+    prompt = {"prompt_token_ids": [72, 105, 0xC3]}  # ends inside a character
+    offline = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    engine = llm.llm_engine
+    engine.add_request("streamed", prompt, params)
+    streamed = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed = out.outputs[0]
+    assert streamed.token_ids == offline.token_ids
+    assert (streamed.text, streamed.finish_reason) == (offline.text, offline.finish_reason)

@@ -164,13 +164,20 @@ class LLMEngine:
                 raise ValueError(f"mod {mod} reads the per-request parameter {name!r}: pass "
                                  f"SamplingParams(attention_params={{{name!r}: ...}})")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
-        """Queue a request; raises ValueError (and changes nothing) when it is invalid."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    final_only: bool = False) -> None:
+        """Queue a request; raises ValueError (and changes nothing) when it is invalid.
+
+        final_only: `step` reports the request once, when it finishes (vLLM's FINAL_ONLY output kind),
+        and its text is decoded then, not token by token, unless stop strings need it.
+        """
         params = SamplingParams() if params is None else params
         text, prompt_ids = self.tokenize(prompt)
         self.validate(request_id, prompt_ids, params)
         seqs = [self._make_sequence(request_id, i, prompt_ids, params.for_completion(i)) for i in range(params.n)]
-        self.requests[request_id] = Request(request_id, text, prompt_ids, params, seqs)
+        for seq in seqs:
+            seq.text_at_end = final_only and not params.stop
+        self.requests[request_id] = Request(request_id, text, prompt_ids, params, seqs, final_only)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -211,7 +218,7 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(seqs, token_ids)):
             self._append_token(seq, token, None if lp is None else (lp[0][i], lp[1][i], lp[2][i], lp[3][i]))
             progressed[seq.request_id] = self.requests[seq.request_id]
-        outputs = [self._make_output(r) for r in progressed.values()]
+        outputs = [self._make_output(r) for r in progressed.values() if r.finished or not r.final_only]
         for r in progressed.values():
             if r.finished:
                 del self.requests[r.request_id]
@@ -224,18 +231,24 @@ class LLMEngine:
             seq.logprobs.append(self._logprob_dict(token, lp, params.logprobs))
             seq.cumulative_logprob += lp[0]
         stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        if seq.detokenizer is not None and not stop_token:  # a stop token's text is not part of the output
-            delta = seq.detokenizer.add(token)
-            seq.text += delta
-            if params.stop and delta and self._check_stop_strings(seq, len(delta)):
-                return
+        detok = seq.detokenizer
+        if detok is not None and not stop_token:  # a stop token's text is not part of the output
+            if seq.text_at_end:
+                detok.ids.append(token)
+            else:
+                delta = detok.add(token)
+                seq.text += delta
+                if params.stop and delta and self._check_stop_strings(seq, len(delta)):
+                    return
         if stop_token:
+            if detok is not None and seq.text_at_end:  # as `add` would have: an unfinished character is dropped
+                seq.text += detok.flush().rstrip("\ufffd")
             seq.stop_reason = token if token in params.stop_token_ids else None
             self.scheduler.finish(seq, "stop")
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or \
                 seq.num_tokens >= self.max_model_len:
-            if seq.detokenizer is not None:
-                seq.text += seq.detokenizer.flush()
+            if detok is not None:
+                seq.text += detok.flush()
             self.scheduler.finish(seq, "length")
 
     def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:

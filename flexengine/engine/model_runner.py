@@ -47,6 +47,11 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def wants_compile(device: torch.device, enforce_eager: bool) -> bool:
+    """Compiled kernels and CUDA graphs: on CUDA unless enforce_eager (CPU Inductor builds are slow)."""
+    return device.type == "cuda" and not enforce_eager
+
+
 def text_config(hf_config):
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
@@ -81,6 +86,10 @@ class ModelRunner:
         self.param_names = mod_params(self.mods)
         self.backend = get_backend(config.attention_backend, self.mods, self.head_dim, block_size=config.block_size,
                                    dtype=self.dtype)
+        self.compiled = wants_compile(self.device, config.enforce_eager)
+        # Compiled flex needs a fixed set of shapes: decode rows and prefill tiles padded to buckets,
+        # every per-request tensor max_num_seqs rows long.
+        self.static_shapes = self.compiled and self.backend.name == "flex"
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
 
@@ -94,8 +103,8 @@ class ModelRunner:
         self.table_width = -(-self.max_model_len // self.block_size)
         self.decode_graphs = None
         from ..compile import set_fused_elementwise
-        set_fused_elementwise(self.device.type == "cuda" and not config.enforce_eager)
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "flex":
+        set_fused_elementwise(self.compiled)
+        if self.static_shapes:
             from ..compile.warmup import warm_up_steps
             logger.info("warm-up (compiles prefill and mixed steps): %.1f s", warm_up_steps(self))
             self.decode_graphs = self.capture_decode_graphs()
@@ -201,9 +210,9 @@ class ModelRunner:
         ends = np.cumsum(query_lens)
         positions = np.repeat(starts, query_lens) + np.arange(T) - np.repeat(ends - query_lens, query_lens)
         width = max(max(len(s.block_table) for s in seqs), getattr(self, "table_width", 0))
-        # On CUDA every per-request tensor the kernels read has max_num_seqs rows (padding: length 0,
-        # no pages), so the request count never changes a compiled shape.
-        rows = max(R, self.config.max_num_seqs) if self.device.type == "cuda" else R
+        # With static shapes every per-request tensor the kernels read has max_num_seqs rows (padding:
+        # length 0, no pages), so the request count never changes a compiled shape.
+        rows = max(R, self.config.max_num_seqs) if self.static_shapes else R
         tables = np.zeros((rows, width), dtype=np.int32)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
@@ -229,7 +238,7 @@ class ModelRunner:
     def layout_padding(self, query_lens: list[int]) -> dict:
         """On CUDA, pad decode rows and prefill tiles to the compiled buckets (the same split-KV count as
         the decode graphs), so no step meets a shape the warm-up did not compile."""
-        if self.device.type != "cuda" or self.backend.name != "flex":
+        if not self.static_shapes:
             return {}
         from ..attention.metadata import Q_TILE, choose_decode_splits
         from ..compile import bucket, decode_buckets, tile_bucket

@@ -39,6 +39,7 @@ class Sequence:
     generator: torch.Generator | None = None  # per-sequence RNG when params.seed is set
     detokenizer: object = None
     text: str = ""
+    text_at_end: bool = False              # decode the text once when finished (no one reads it before)
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -76,6 +77,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
+    final_only: bool = False               # reported once, when finished
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,117 @@
+"""Where the time of a step goes, on a GPU box: wall time per kind of step over a throughput run, then a
+kernel profile of pure decode steps at a few batch sizes (GPU busy time against wall time per step).
+
+    python3 scripts/profile_step.py --model /tmp/llama1b [--num-prompts 256 --input-len 256 --output-len 256]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flexengine import LLM, SamplingParams
+from flexengine.benchmarks.common import as_requests, random_prompts
+from flexengine.compile import compile_count
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_us(event) -> float:
+    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+
+def step_kinds(llm, prompts, output_len: int) -> None:
+    """Run the workload step by step; print wall time per kind of step."""
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"w{i}", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0), final_only=True)
+    kinds = collections.defaultdict(lambda: [0, 0.0, 0])  # kind -> [steps, seconds, tokens]
+    schedule = engine.scheduler.schedule
+    last = {}
+
+    def recording_schedule():
+        last["batch"] = schedule()
+        return last["batch"]
+
+    engine.scheduler.schedule = recording_schedule
+    before, start = compile_count(), time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        batch = last["batch"]
+        n = len(batch.seqs)
+        decode = all(k == 1 for k in batch.num_new_tokens)
+        kind = f"decode {1 << (n - 1).bit_length() if n < 256 else n:>3}" if decode else "prefill/mixed"
+        row = kinds[kind]
+        row[0] += 1
+        row[1] += time.perf_counter() - t
+        row[2] += sum(batch.num_new_tokens)
+    total = time.perf_counter() - start
+    engine.scheduler.schedule = schedule
+    print(f"# {len(prompts)} prompts: {total:.2f} s, {len(prompts) * output_len / total:.0f} output tok/s, "
+          f"{compile_count() - before} graphs compiled during the run")
+    print("| step kind | steps | ms per step | share of time | tokens per step |")
+    print("|---|---|---|---|---|")
+    for kind in sorted(kinds):
+        steps, secs, toks = kinds[kind]
+        print(f"| {kind} | {steps} | {secs / steps * 1e3:.2f} | {secs / total:.0%} | {toks / steps:.0f} |")
+
+
+def profile_decode(llm, batch: int, input_len: int, steps: int = 8) -> None:
+    """Bring `batch` requests to decode, then profile `steps` pure decode steps."""
+    engine = llm.llm_engine
+    prompts = random_prompts(batch, input_len, engine.vocab_size, seed=batch)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0), final_only=True)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = (time.perf_counter() - start) / steps * 1e6
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels = [(device_us(e), e.count, e.key) for e in prof.key_averages() if device_us(e) > 0]
+    busy = sum(k[0] for k in kernels) / steps
+    print(f"# decode batch {batch}: wall {wall:.0f} us per step, GPU busy {busy:.0f} us ({busy / wall:.0%}), "
+          f"{sum(k[1] for k in kernels) / steps:.0f} kernels per step")
+    print("| kernel | per step | us per step |")
+    print("|---|---|---|")
+    for us, count, name in sorted(kernels, reverse=True)[:10]:
+        print(f"| {name[:70]} | {count / steps:.0f} | {us / steps:.0f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model, for a CPU try)")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--decode-batches", default="1,64,256")
+    args = p.parse_args()
+    start = time.perf_counter()
+    llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "auto")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"# engine built in {time.perf_counter() - start:.1f} s on {device}")
+    llm.generate(as_requests(random_prompts(4, args.input_len, llm.llm_engine.vocab_size, 1)),
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    step_kinds(llm, random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, 0), args.output_len)
+    for b in map(int, args.decode_batches.split(",")):
+        profile_decode(llm, b, args.input_len)
+
+
+if __name__ == "__main__":
+    main()
