@@ -28,6 +28,16 @@ def configure_dynamo() -> None:
         cfg.fail_on_recompile_limit_hit = True
 
 
+def allow_recompiles(expected: int) -> None:
+    """Make room for an engine's `expected` compiled shapes of one function (flex: a graph per bucket
+    and mask), plus RECOMPILE_LIMIT of slack; the limit stays an error past that."""
+    configure_dynamo()
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), expected + RECOMPILE_LIMIT))
+
+
 def compile_count() -> int:
     """Graphs dynamo has compiled so far in this process (a recompile adds one)."""
     from torch._dynamo.utils import counters

@@ -1,22 +1,56 @@
 #!/usr/bin/env bash
-# One device call: install, GPU tests, benchmarks. Stages: tests, attention, e2e, serve (default: all
-# but serve; a full run needs about 15 minutes, so split it over two calls of at most 10).
-# Usage on the GPU machine: bash scripts/gpu_session.sh [stage...]; logs land in $OUT (or ./bench_out).
+# One device call: install, then the named stages in order, under one time budget (a stage that no
+# longer fits is skipped, and says so). Logs land in $OUT (or ./bench_out); a summary comes last.
+#   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560)
+# Stages: tests (pytest -m gpu), attention (kernel table), compare (flexengine vs transformers
+# generate_batch, 256 x 256 x 256), throughput, latency (batch 1), eager (throughput and latency with
+# --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py).
+# Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR.
 set -u
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-stages=${*:-tests attention e2e}
+OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}; BUDGET=${BUDGET:-560}
+export OUT MODEL_DIR PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+START=$(date +%s); STATUS=()
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"
-for stage in $stages; do
+
+# step NAME CAP CMD...: CMD under min(CAP, budget left), output tee'd into $OUT/NAME.log
+step() {
+  local name=$1 cap=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  if (( left < 30 )); then STATUS+=("$name: SKIPPED (budget spent)"); return 1; fi
+  (( cap > left )) && cap=$left
+  echo "=== $name (timeout ${cap}s)"
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$cap" "$@" 2>&1 | grep -v -i -E "warn|USDT|self.profiler = " | tee "$OUT/$name.log" | tail -40
+  local rc=${PIPESTATUS[0]}
+  STATUS+=("$name: rc=$rc ($(( $(date +%s) - t0 ))s)")
+}
+
+model() {
+  [[ -f $MODEL_DIR/config.json ]] || step make_model 150 python3 -m flexengine.cli make-model --preset llama-3.2-1b \
+    --out "$MODEL_DIR" --dtype bfloat16
+}
+
+M=(--model "$MODEL_DIR" --dtype bfloat16)
+for stage in ${*:-tests attention compare latency}; do
   case $stage in
-    tests)
-      timeout 420 python3 -m pytest -m gpu -q -x -p no:randomly tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    attention)
-      timeout 300 python3 -m flexengine.benchmarks.attention --json "$OUT/attention.json" 2>&1 | grep -v Warning | tee "$OUT/attention.log" ;;
-    e2e)
-      timeout 400 bash scripts/e2e_bench.sh 2>&1 | tee "$OUT/e2e.log" ;;
-    serve)
-      timeout 420 bash scripts/serve_bench.sh 2>&1 | tee "$OUT/serve.log" ;;
+    tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short tests ;;
+    attention) step attention 300 python3 -m flexengine.benchmarks.attention --json "$OUT/attention.json" ;;
+    compare) model && step compare_transformers 200 python3 -m flexengine.benchmarks.compare_transformers "${M[@]}" \
+      --num-prompts 256 --input-len 256 --output-len 256 --json-out "$OUT/compare_transformers.json" ;;
+    throughput) model && step throughput 150 python3 -m flexengine.cli bench throughput "${M[@]}" --num-prompts 256 \
+      --input-len 256 --output-len 256 --json-out "$OUT/throughput.json" ;;
+    latency) model && step latency 90 python3 -m flexengine.cli bench latency "${M[@]}" --max-num-seqs 1 --batch-size 1 \
+      --input-len 128 --output-len 256 --num-iters 3 --json-out "$OUT/latency.json" ;;
+    eager) model && step latency_eager 90 python3 -m flexengine.cli bench latency "${M[@]}" --enforce-eager \
+      --max-num-seqs 1 --batch-size 1 --input-len 128 --output-len 64 --num-iters 2 --json-out "$OUT/latency_eager.json" \
+      && step throughput_eager 150 python3 -m flexengine.cli bench throughput "${M[@]}" --enforce-eager \
+      --num-prompts 256 --input-len 256 --output-len 256 --json-out "$OUT/throughput_eager.json" ;;
+    serve) model && step serve 240 bash scripts/serve_bench.sh ;;
+    profile) model && step profile 240 python3 scripts/profile_step.py --model "$MODEL_DIR" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
+echo "=================== summary ($(( $(date +%s) - START ))s of ${BUDGET}s)"
+printf '%s\n' "${STATUS[@]}"

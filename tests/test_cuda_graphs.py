@@ -84,11 +84,12 @@ def test_fused_elementwise_matches_eager():
         set_fused_elementwise(False)
 
 
-def test_static_shape_steps_never_recompile_after_warm_up(monkeypatch):
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_static_shape_steps_never_recompile_after_warm_up(monkeypatch, enforce_eager):
     """The CUDA engine's shape policy, checked on CPU: the engine is built as on a GPU (buckets, padding,
-    warm-up, the decode buckets compiled) with dynamo's `eager` backend, whose guards are the ones a
-    GPU build has. Serving mixed prefill/decode traffic afterwards must add no graph, and give the
-    tokens the plain eager engine gives."""
+    warm-up, the decode buckets compiled by the capture, or by the warm-up under enforce_eager) with
+    dynamo's `eager` backend, whose guards are the ones a GPU build has. Serving mixed prefill/decode
+    traffic afterwards must add no graph, and give the tokens the plain CPU engine gives."""
     import random
 
     from flexengine.attention.backends import flex
@@ -99,18 +100,24 @@ def test_static_shape_steps_never_recompile_after_warm_up(monkeypatch):
     monkeypatch.setattr(model_runner, "wants_compile", lambda device, enforce_eager: not enforce_eager)
     monkeypatch.setattr(flex.FlexBackend, "compiled", lambda self, device: True)
     flex._compiled_flex.cache_clear()
+    torch._dynamo.reset()  # graphs another test compiled would hide this engine's warm-up
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1, 250) for _ in range(rng.randint(1, 90))]} for _ in range(14)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=True) for _ in prompts]
     config = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=128)
     try:
         before_build = compile_count()
-        static = LLM(**config)
-        assert static.llm_engine.runner.static_shapes and compile_count() > before_build
+        static = LLM(**config, enforce_eager=enforce_eager)
+        runner = static.llm_engine.runner
+        assert runner.static_shapes and (runner.decode_graphs is None) == enforce_eager
+        assert compile_count() > before_build
         before = compile_count()
         got = static.generate(prompts, params, use_tqdm=False)
         assert compile_count() == before, "a shape compiled after warm-up"
     finally:
+        monkeypatch.undo()
         flex._compiled_flex.cache_clear()
-    expected = LLM(**config, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    plain = LLM(**config, enforce_eager=True)
+    assert not plain.llm_engine.runner.static_shapes
+    expected = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]

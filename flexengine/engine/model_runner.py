@@ -86,10 +86,11 @@ class ModelRunner:
         self.param_names = mod_params(self.mods)
         self.backend = get_backend(config.attention_backend, self.mods, self.head_dim, block_size=config.block_size,
                                    dtype=self.dtype)
-        self.compiled = wants_compile(self.device, config.enforce_eager)
-        # Compiled flex needs a fixed set of shapes: decode rows and prefill tiles padded to buckets,
-        # every per-request tensor max_num_seqs rows long.
-        self.static_shapes = self.compiled and self.backend.name == "flex"
+        self.compiled = wants_compile(self.device, config.enforce_eager)  # fused kernels and CUDA graphs
+        # Flex on a GPU is always the compiled kernel (eager flex materialises every score), even with
+        # enforce_eager, and compiled flex needs a fixed set of shapes: decode rows and prefill tiles
+        # padded to buckets, every per-request tensor max_num_seqs rows long.
+        self.static_shapes = self.backend.name == "flex" and self.backend.compiled(self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
 
@@ -105,9 +106,13 @@ class ModelRunner:
         from ..compile import set_fused_elementwise
         set_fused_elementwise(self.compiled)
         if self.static_shapes:
-            from ..compile.warmup import warm_up_steps
-            logger.info("warm-up (compiles prefill and mixed steps): %.1f s", warm_up_steps(self))
-            self.decode_graphs = self.capture_decode_graphs()
+            from ..compile import allow_recompiles
+            from ..compile.warmup import shape_classes, warm_up_steps
+            allow_recompiles(shape_classes(self))
+            # Decode shapes are compiled by the graph capture; without graphs, by the warm-up.
+            logger.info("warm-up (compiles every step shape): %.1f s", warm_up_steps(self, decode=not self.compiled))
+            if self.compiled:
+                self.decode_graphs = self.capture_decode_graphs()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; max_model_len %d", self.num_blocks,
                     self.block_size, self.num_blocks * self.bytes_per_block() / 2 ** 20, self.device,
                     self.max_model_len)
@@ -300,8 +305,12 @@ class ModelRunner:
         return graphs
 
     def prepare_decode(self, seqs: list[Sequence]):
-        """Pure decode: ids, positions, slots, lengths and tables in ONE host→device copy."""
-        P, R, W = self.block_size, len(seqs), self.table_width
+        """Pure decode: ids, positions, slots, lengths and tables in ONE host→device copy.
+
+        Tables are only as wide as the longest one: the graph buffers keep their full width, and
+        columns past a request's last page are never read."""
+        P, R = self.block_size, len(seqs)
+        W = max(len(s.block_table) for s in seqs)
         packed = np.zeros((4 + W, R), dtype=np.int64)
         for i, s in enumerate(seqs):
             pos = s.num_tokens - 1
