@@ -53,6 +53,16 @@ class DecodeBuffers:
         for name, buf in self.params.items():
             buf[:n].copy_(params[name])
 
+    def advance(self, token_ids: torch.Tensor, block_size: int) -> None:
+        """On the device: rows 0..n-1 move one token on, fed `token_ids` (the last step's samples)."""
+        n = token_ids.shape[0]
+        self.input_ids[:n].copy_(token_ids)
+        self.positions[:n] += 1
+        self.seq_lens[:n] += 1
+        pos = self.positions[:n]
+        page = self.block_tables[:n].gather(1, (pos // block_size)[:, None]).squeeze(1)
+        self.slot_mapping[:n] = page.long() * block_size + pos % block_size
+
 
 def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
     """Everything in a decode step's metadata that depends on lengths and tables, as device ops."""
@@ -140,6 +150,17 @@ class DecodeGraphRunner:
         bs = self.bucket_for(n)
         assert bs is not None and block_tables.shape[1] <= self.width, (n, block_tables.shape)
         self.bufs.fill(input_ids, positions, slot_mapping, block_tables, seq_lens, params, bs)
+        return self.replay(n)
+
+    @torch.inference_mode()
+    def run_next(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the step after the last one run, whose sampled tokens are `token_ids` [n]: the
+        buffers advance on the device, so nothing waits for the host."""
+        self.bufs.advance(token_ids, self.block_size)
+        return self.replay(token_ids.shape[0])
+
+    def replay(self, n: int) -> torch.Tensor:
+        bs = self.bucket_for(n)
         key = self.key(bs)
         if key in self.graphs:
             self.graphs[key].replay()

@@ -63,6 +63,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None → FLEXENGINE_ATTENTION_BACKEND → auto
     enforce_eager: bool = False
+    # Pure decode steps run this many forward passes per schedule, each fed the last one's tokens on
+    # the device, with one host sync at the end (vLLM's multi-step scheduling); CUDA graphs only.
+    num_scheduler_steps: int = 1
     seed: int = 0
     # Overrides of the model's mods: a registered name, a callable, or {layer index or kind ("global" /
     # "sliding"): either}; None keeps the model's. Applied (and checked) by ModelRunner.
@@ -77,7 +80,7 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             positive(name)
         positive("num_kv_blocks", allow_none=True)
         positive("max_model_len", allow_none=True)

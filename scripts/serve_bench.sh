@@ -5,12 +5,21 @@
 set -u
 OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}; PORT=${PORT:-8123}; PY=${PYTHON:-python3}
 mkdir -p "$OUT"
+WHEELS=${WHEELS:-.whl}  # the GPU box has no network: serve's wheels come from scripts/serve_wheels.sh
+if compgen -G "$WHEELS/*.whl" >/dev/null && ! $PY -c "import fastapi, uvicorn" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 [[ -f $MODEL_DIR/config.json ]] || $PY -m flexengine.cli make-model --preset llama-3.2-1b --out "$MODEL_DIR" --dtype bfloat16
 $PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 --port "$PORT" --max-waiting-requests 1024 \
   --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
-for _ in $(seq 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
+for _ in $(seq 240); do
+  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+  kill -0 $server 2>/dev/null || { echo "server exited:"; tail -n 20 "$OUT/server.log"; exit 1; }
+  sleep 1
+done
 for rate in inf 16; do
   $PY -m flexengine.cli bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 256 --input-len 256 \
     --output-len 256 --request-rate "$rate" --json-out "$OUT/serve_rate_$rate.json" 2>&1 | tee "$OUT/serve_rate_$rate.log"

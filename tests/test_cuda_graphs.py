@@ -84,14 +84,11 @@ def test_fused_elementwise_matches_eager():
         set_fused_elementwise(False)
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_static_shape_steps_never_recompile_after_warm_up(monkeypatch, enforce_eager):
-    """The CUDA engine's shape policy, checked on CPU: the engine is built as on a GPU (buckets, padding,
-    warm-up, the decode buckets compiled by the capture, or by the warm-up under enforce_eager) with
-    dynamo's `eager` backend, whose guards are the ones a GPU build has. Serving mixed prefill/decode
-    traffic afterwards must add no graph, and give the tokens the plain CPU engine gives."""
-    import random
-
+@pytest.fixture
+def gpu_shaped_engines(monkeypatch):
+    """Engines built from here on take the CUDA engine's path on CPU (buckets, padding, warm-up, the
+    decode-graph runner run eagerly), compiled by dynamo's `eager` backend, whose guards are the ones
+    a GPU build has. Dynamo starts empty, so a test sees its own engine's compiles. Yields the undo."""
     from flexengine.attention.backends import flex
     from flexengine.engine import model_runner
 
@@ -100,24 +97,71 @@ def test_static_shape_steps_never_recompile_after_warm_up(monkeypatch, enforce_e
     monkeypatch.setattr(model_runner, "wants_compile", lambda device, enforce_eager: not enforce_eager)
     monkeypatch.setattr(flex.FlexBackend, "compiled", lambda self, device: True)
     flex._compiled_flex.cache_clear()
-    torch._dynamo.reset()  # graphs another test compiled would hide this engine's warm-up
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(1, 250) for _ in range(rng.randint(1, 90))]} for _ in range(14)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 12), ignore_eos=True) for _ in prompts]
-    config = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=128)
-    try:
-        before_build = compile_count()
-        static = LLM(**config, enforce_eager=enforce_eager)
-        runner = static.llm_engine.runner
-        assert runner.static_shapes and (runner.decode_graphs is None) == enforce_eager
-        assert compile_count() > before_build
-        before = compile_count()
-        got = static.generate(prompts, params, use_tqdm=False)
-        assert compile_count() == before, "a shape compiled after warm-up"
-    finally:
+    torch._dynamo.reset()
+
+    def undo():
         monkeypatch.undo()
         flex._compiled_flex.cache_clear()
+
+    yield undo
+    undo()
+
+
+def mixed_traffic(n=14, seed=0, max_len=90, max_tokens=12, **params):
+    import random
+    rng = random.Random(seed)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, 250) for _ in range(rng.randint(1, max_len))]} for _ in range(n)]
+    return prompts, [SamplingParams(max_tokens=rng.randint(1, max_tokens), ignore_eos=True, **params) for _ in prompts]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, enforce_eager):
+    """The CUDA engine's shape policy, checked on CPU: after the warm-up (the decode buckets compiled
+    by the capture, or by the warm-up under enforce_eager), mixed prefill/decode traffic adds no
+    graph, and gives the tokens the plain CPU engine gives."""
+    prompts, params = mixed_traffic(temperature=0)
+    config = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=128)
+    before_build = compile_count()
+    static = LLM(**config, enforce_eager=enforce_eager)
+    runner = static.llm_engine.runner
+    assert runner.static_shapes and (runner.decode_graphs is None) == enforce_eager
+    assert compile_count() > before_build
+    before = compile_count()
+    got = static.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up"
+    gpu_shaped_engines()
     plain = LLM(**config, enforce_eager=True)
     assert not plain.llm_engine.runner.static_shapes
     expected = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_multi_step_decode_equals_one_step(gpu_shaped_engines):
+    """num_scheduler_steps=4: decode steps run four at a time, each fed the last one's samples on the
+    device. Seeded sampling, EOS stops mid-run, max_tokens and max_model_len cut-offs must give
+    exactly the one-step tokens, with no page left allocated and no recompile."""
+    prompts, params = mixed_traffic(n=10, max_len=60, max_tokens=40, temperature=0.8, top_k=20)
+    for i, p in enumerate(params):
+        p.seed = i
+    config = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=64)
+    results = {}
+    for steps in (1, 4):
+        llm = LLM(**config, num_scheduler_steps=steps)
+        engine = llm.llm_engine
+        engine.eos_token_ids = frozenset(range(97, 104))  # a-g: some requests stop early
+        for p in params:
+            p.ignore_eos = False
+        multi = []
+        execute = engine.runner.execute_multi_step
+        engine.runner.execute_multi_step = lambda batch: multi.append(batch.num_steps) or execute(batch)
+        before = compile_count()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert compile_count() == before
+        assert engine.num_free_blocks() == engine.num_total_blocks
+        assert (max(multi, default=1) == 4) == (steps == 4) and all(k > 1 for k in multi)
+        results[steps] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+    assert results[4] == results[1]
+    assert {r for _, r, _ in results[1]} == {"stop", "length"}
+    capped = [len(p["prompt_token_ids"]) + len(t) == 64 < len(p["prompt_token_ids"]) + q.max_tokens
+              for p, q, (t, _, _) in zip(prompts, params, results[1])]
+    assert any(capped), "no request reached max_model_len"

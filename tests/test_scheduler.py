@@ -204,3 +204,37 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                               suppress_health_check=list(HealthCheck))
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def decoding(sched, n, name):
+    """A running sequence of n tokens whose first n - 1 have K/V: it decodes next."""
+    seq = Sequence(request_id=name, index=0, token_ids=[1] * n, num_prompt_tokens=n - 1, params=SamplingParams())
+    sched.block_manager.allocate(seq, n - 1)
+    seq.num_computed_tokens, seq.status = n - 1, SequenceStatus.RUNNING
+    sched.running.append(seq)
+    return seq
+
+
+def test_multi_step_only_for_pure_decode_with_pages_to_spare():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=4, max_model_len=24)
+    a, b = decoding(sched, 5, "a"), decoding(sched, 9, "b")  # 1 + 2 pages
+    batch = sched.schedule()
+    assert batch.num_steps == 4 and batch.num_new_tokens == [1, 1]
+    assert (len(a.block_table), len(b.block_table)) == (2, 3)  # positions up to 7 and 11
+    sched.add(Sequence(request_id="c", index=0, token_ids=[2] * 3, num_prompt_tokens=3, params=SamplingParams()))
+    assert sched.schedule().num_steps == 1  # c waits: one step, which admits it
+
+
+def test_multi_step_needs_spare_pages_and_stops_short_of_max_model_len():
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=8, max_model_len=12)
+    a = decoding(sched, 9, "a")  # 2 pages of 3; 8 steps would compute positions 8..15
+    batch = sched.schedule()
+    assert batch.num_steps == 4 and len(a.block_table) == 3  # positions 8..11: max_model_len is 12
+
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=8)
+    a, b = decoding(sched, 5, "a"), decoding(sched, 5, "b")  # a page each, two free; 8 steps need 4 more
+    batch = sched.schedule()
+    assert batch.num_steps == 1 and batch.seqs == [a, b]

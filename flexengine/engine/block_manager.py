@@ -89,6 +89,10 @@ class BlockManager:
         total = seq.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         return max(0, self.blocks_for(total) - len(seq.block_table) - len(hits))
 
+    def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New pages `seq` needs for `num_new_tokens` more tokens (no prefix-cache hits)."""
+        return self._new_pages_needed(seq, num_new_tokens, [])
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
         """Whether `seq` can get pages for `num_new_tokens` more tokens (after taking `hits`)."""
         hits = list(hits)

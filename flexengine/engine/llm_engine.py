@@ -57,8 +57,13 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.look_ahead = prefix_cache_unsafe_reason(self.runner.mods, masks_only=True)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self._use_prefix_cache())
+        steps = config.num_scheduler_steps if self.runner.decode_graphs is not None else 1
+        if steps != config.num_scheduler_steps:
+            logger.info("num_scheduler_steps=%d needs CUDA graphs; running one step per schedule",
+                        config.num_scheduler_steps)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   whole_prompts=self.look_ahead is not None)
+                                   whole_prompts=self.look_ahead is not None, num_scheduler_steps=steps,
+                                   max_model_len=self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = self._eos_token_ids()
 
@@ -206,6 +211,10 @@ class LLMEngine:
             # The cache holds a whole max_model_len request, so with work queued a step always runs something.
             assert not self.scheduler.has_unfinished(), "the scheduler could not run any queued sequence"
             return []
+        if batch.num_steps > 1:
+            tokens = self.runner.execute_multi_step(batch)
+            if tokens is not None:
+                return self.process_multi_step(batch, tokens.tolist())  # the steps' one device → host sync
         seqs, out = self.runner.execute(batch)
         self.scheduler.update_computed(batch)
         if not seqs:
@@ -218,6 +227,23 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(seqs, token_ids)):
             self._append_token(seq, token, None if lp is None else (lp[0][i], lp[1][i], lp[2][i], lp[3][i]))
             progressed[seq.request_id] = self.requests[seq.request_id]
+        return self._outputs(progressed)
+
+    def process_multi_step(self, batch, tokens: list[list[int]]) -> list[RequestOutput]:
+        """Hand out a multi-step decode's tokens step by step; a sequence's tokens after it finished
+        are dropped (their pages were freed with it)."""
+        progressed: dict[str, Request] = {}
+        for i, seq in enumerate(batch.seqs):
+            for row in tokens:
+                if seq.is_finished:
+                    break
+                seq.num_computed_tokens += 1
+                self.block_manager.cache_full_blocks(seq)
+                self._append_token(seq, row[i], None)
+            progressed[seq.request_id] = self.requests[seq.request_id]
+        return self._outputs(progressed)
+
+    def _outputs(self, progressed: dict[str, Request]) -> list[RequestOutput]:
         outputs = [self._make_output(r) for r in progressed.values() if r.finished or not r.final_only]
         for r in progressed.values():
             if r.finished:

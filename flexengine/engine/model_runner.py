@@ -341,5 +341,20 @@ class ModelRunner:
             return [], None
         return inputs.sample_seqs, self.sample(hidden, inputs)
 
+    @torch.inference_mode()
+    def execute_multi_step(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """batch.num_steps decode steps back to back, each fed the last one's samples on the device:
+        → token ids [num_steps, n], or None where the graphs cannot (the caller runs one step)."""
+        if not self.decode_with_graphs(batch) or any(s.params.logprobs is not None for s in batch.seqs):
+            return None
+        inputs = self.prepare_decode(batch.seqs)
+        if any(t.is_floating_point() for t in inputs[-1].values()):
+            return None
+        sampling = self.sampling_tensors(batch.seqs)
+        tokens = [self.sampler(self.decode_graphs.run(*inputs), sampling).token_ids]
+        for _ in range(batch.num_steps - 1):
+            tokens.append(self.sampler(self.decode_graphs.run_next(tokens[-1]), sampling).token_ids)
+        return torch.stack(tokens)
+
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

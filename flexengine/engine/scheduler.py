@@ -23,6 +23,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per sequence
     preempted: list[Sequence] = field(default_factory=list)
+    num_steps: int = 1  # > 1: a multi-step decode, every sequence has pages for this many tokens
 
     @property
     def num_tokens(self) -> int:
@@ -34,12 +35,13 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 whole_prompts: bool = False):
+                 whole_prompts: bool = False, num_scheduler_steps: int = 1, max_model_len: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # A look-ahead mask (bidirectional, prefix-LM) lets prompt tokens see later prompt tokens, so a
         # prompt must be computed in one step: a chunk never ends inside the prompt.
         self.whole_prompts = whole_prompts
+        self.num_scheduler_steps, self.max_model_len = num_scheduler_steps, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
@@ -56,6 +58,9 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the step
     def schedule(self) -> ScheduledBatch:
+        batch = self.schedule_multi_step()
+        if batch is not None:
+            return batch
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
@@ -81,6 +86,26 @@ class Scheduler:
         if not batch.preempted:  # after preempting, let the freed pages go to the running ones first
             budget = self._admit_waiting(batch, budget)
         return batch
+
+    def schedule_multi_step(self) -> ScheduledBatch | None:
+        """Every running sequence decodes for several steps, when nothing waits and pages suffice.
+
+        Steps stop short of max_model_len (a position past it has no column in the block table); a
+        sequence that finishes early (EOS, max_tokens) runs on and its extra tokens are dropped.
+        """
+        if self.num_scheduler_steps < 2 or self.waiting or not self.running or \
+                any(s.num_uncomputed_tokens != 1 for s in self.running):
+            return None
+        k = self.num_scheduler_steps
+        if self.max_model_len is not None:
+            k = min(k, min(self.max_model_len - s.num_tokens + 1 for s in self.running))
+        bm = self.block_manager
+        if k < 2 or len(self.running) > self.max_num_batched_tokens or \
+                sum(bm.pages_needed(s, k) for s in self.running) > bm.num_free_blocks():
+            return None
+        for seq in self.running:
+            bm.allocate(seq, k)
+        return ScheduledBatch(list(self.running), [1] * len(self.running), num_steps=k)
 
     def min_chunk(self, seq: Sequence, computed: int) -> int:
         """Fewest tokens a step may give `seq`: 1, or with whole prompts all of its uncomputed prompt."""

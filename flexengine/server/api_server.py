@@ -221,7 +221,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
 ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "enable_prefix_caching", "attention_backend", "enforce_eager",
-                "gpu_memory_utilization", "seed")
+                "gpu_memory_utilization", "seed", "num_scheduler_steps")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -249,6 +249,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--attention-backend", default=None, choices=["flex", "flash", "reference", "auto"])
     engine.add_argument("--enforce-eager", action="store_true", default=None)
     engine.add_argument("--seed", type=int, default=None)
+    engine.add_argument("--num-scheduler-steps", type=int, default=None,
+                        help="decode steps per schedule, fed on the device (CUDA graphs only; default 1)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
