@@ -69,10 +69,11 @@ def set_fused_elementwise(enabled: bool) -> None:
 
 
 def fused(fn):
-    """Mark a pure elementwise step (a norm, rotary, an activation) for one Inductor kernel.
+    """Mark a pure step (a norm, rotary, an activation, a layer's work beside attention) for Inductor.
 
-    Compiled once with dynamic shapes, so every layer and every batch size shares the kernel; inside
-    a compiled region the plain function is traced instead. Off unless the engine turns it on.
+    Compiled once with dynamic shapes, so every layer and every batch size shares the code (a module
+    passed as `self` is inlined: its parameters are inputs, not constants); inside a compiled region
+    the plain function is traced instead. Off unless the engine turns it on.
     """
     compiled = None
 

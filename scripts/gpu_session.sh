@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the named stages in order, under one time budget (a stage that no
 # longer fits is skipped, and says so). Logs land in $OUT (or ./bench_out); a summary comes last.
-#   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560)
+#   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
 # Stages: tests (pytest -m gpu), attention (kernel table), compare (flexengine vs transformers
 # generate_batch, 256 x 256 x 256), throughput, latency (batch 1), eager (throughput and latency with
 # --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py).
@@ -32,7 +32,7 @@ model() {
     --out "$MODEL_DIR" --dtype bfloat16
 }
 
-M=(--model "$MODEL_DIR" --dtype bfloat16)
+M=(--model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-})  # ENGINE_ARGS: extra engine flags for every run
 for stage in ${*:-tests attention compare latency}; do
   case $stage in
     tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short tests ;;

@@ -65,12 +65,16 @@ def step_kinds(llm, prompts, output_len: int) -> None:
 
 
 def profile_decode(llm, batch: int, input_len: int, steps: int = 8) -> None:
-    """Bring `batch` requests to decode, then profile `steps` pure decode steps."""
+    """Bring `batch` requests to decode, then profile `steps` pure decode steps of all of them.
+
+    Prefill takes several steps, so requests run without a token limit and are aborted afterwards:
+    with one, the first admitted could finish before the last were prefilled."""
     engine = llm.llm_engine
     prompts = random_prompts(batch, input_len, engine.vocab_size, seed=batch)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": p},
-                           SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0), final_only=True)
+    ids = [f"p{batch}-{i}" for i in range(batch)]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, SamplingParams(max_tokens=None, ignore_eos=True, temperature=0),
+                           final_only=True)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(2):
@@ -82,8 +86,9 @@ def profile_decode(llm, batch: int, input_len: int, steps: int = 8) -> None:
             engine.step()
         sync()
         wall = (time.perf_counter() - start) / steps * 1e6
-    while engine.has_unfinished_requests():
-        engine.step()
+    assert len(engine.scheduler.running) == batch, "a request finished or was preempted while profiling"
+    for rid in ids:
+        engine.abort_request(rid)
     kernels = [(device_us(e), e.count, e.key) for e in prof.key_averages() if device_us(e) > 0]
     busy = sum(k[0] for k in kernels) / steps
     print(f"# decode batch {batch}: wall {wall:.0f} us per step, GPU busy {busy:.0f} us ({busy / wall:.0%}), "

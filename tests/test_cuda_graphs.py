@@ -165,3 +165,24 @@ def test_multi_step_decode_equals_one_step(gpu_shaped_engines):
     capped = [len(p["prompt_token_ids"]) + len(t) == 64 < len(p["prompt_token_ids"]) + q.max_tokens
               for p, q, (t, _, _) in zip(prompts, params, results[1])]
     assert any(capped), "no request reached max_model_len"
+
+
+@pytest.mark.parametrize("num_tokens", [5, 1])
+def test_compiled_layer_regions_match_eager(num_tokens):
+    """A decoder layer's two compiled regions (Inductor, here on CPU) against the same code run eagerly."""
+    from flexengine.compile import set_fused_elementwise
+    model = LLM(num_kv_blocks=16, enforce_eager=True).llm_engine.runner.model
+    layer, spec = model.model.layers[0], model.spec
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, spec.hidden_size, generator=g)
+    o = torch.randn(num_tokens, spec.num_heads, spec.head_dim, generator=g)
+    positions = torch.arange(num_tokens) * 7
+    cos, sin = model.model.rotary[model.model.rope_key[layer.layer_type]](positions, x.dtype)
+    expected = (*layer.attention_inputs.eager(layer, x, cos, sin), layer.attention_output_and_mlp.eager(layer, x, o))
+    set_fused_elementwise(True)
+    try:
+        got = (*layer.attention_inputs(x, cos, sin), layer.attention_output_and_mlp(x, o))
+    finally:
+        set_fused_elementwise(False)
+    for a, b in zip(got, expected):  # fp32; Inductor reorders the reductions a little
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -241,8 +241,8 @@ class ModelRunner:
             sampling=self.sampling_tensors(sample_seqs) if sampling and sample_seqs else None)
 
     def layout_padding(self, query_lens: list[int]) -> dict:
-        """On CUDA, pad decode rows and prefill tiles to the compiled buckets (the same split-KV count as
-        the decode graphs), so no step meets a shape the warm-up did not compile."""
+        """With static shapes, pad decode rows and prefill tiles to the compiled buckets (the split-KV
+        count the decode graphs use), so no step meets a shape the warm-up did not compile."""
         if not self.static_shapes:
             return {}
         from ..attention.metadata import Q_TILE, choose_decode_splits

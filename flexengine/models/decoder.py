@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..attention.layer import Attention
+from ..compile import fused
 from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
 from ..layers.linear import MergedLinear
@@ -73,15 +74,20 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(D, spec.rms_norm_eps, spec.norm_unit_offset)
         self.attn = attn
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata):
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] → q [T, Hq, D], k and v [T, Hkv, D], rotary applied."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(T, -1, self.head_dim), k.view(T, -1, self.head_dim), v.view(T, -1, self.head_dim)
         if hasattr(self, "q_norm"):  # per head, before rotary (Qwen3, Gemma 3)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.attn(q, k, v, meta)
-        return self.o_proj(o.reshape(T, self.q_size))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(o.reshape(o.shape[0], self.q_size))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata):
+        return self.out(self.attn(*self.qkv(x, cos, sin), meta))
 
 
 class DecoderMLP(nn.Module):
@@ -111,13 +117,24 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, cos, sin, meta):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, meta)
+    # The layer's work on either side of attention is two compiled regions on the CUDA engine (one
+    # Inductor graph each, dynamic in T, shared by every layer); paged attention stays between them.
+    @fused
+    def attention_inputs(self, x, cos, sin):
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    @fused
+    def attention_output_and_mlp(self, x, o):
+        h = self.self_attn.out(o)
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, meta):
+        q, k, v = self.attention_inputs(x, cos, sin)
+        return self.attention_output_and_mlp(x, self.self_attn.attn(q, k, v, meta))
 
 
 def make_attention_layers(spec: DecoderSpec) -> list[Attention]:
