@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fetch the wheels `flexengine serve` needs but the GPU box lacks (it has no network) into .whl/
 # (git-ignored, carried to the box; serve_bench.sh installs them there into /tmp/site).
-# Run on a machine with network. The box already has anyio, h11, click, typing-extensions (pydantic
-# needs >= 4.14.1), etc. fastapi 0.165 imports opentelemetry-api at import time, so it comes along.
+# Run on a machine with network. The box already has anyio, h11, click and httpx; fastapi 0.165
+# imports opentelemetry-api at import time, so it comes along.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -f .whl/*.whl  # exactly one version of each (fa4_install.sh's .whl/fa4.* stay)
@@ -10,6 +10,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any -d .whl \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 pydantic-core==2.46.4 \
-  annotated-types==0.7.0 typing-inspection==0.4.2 annotated-doc==0.0.7 opentelemetry-api==1.45.2
+  annotated-types==0.7.0 typing-inspection==0.4.2 annotated-doc==0.0.7 opentelemetry-api==1.45.2 \
+  typing-extensions==4.15.0  # the box's version is unrecorded; pydantic needs >= 4.14.1
 ls -1 .whl/*.whl
 du -ch .whl/*.whl | tail -1
