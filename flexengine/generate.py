@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     parser.add_argument("--attention-backend", default=None, choices=["flex", "flash", "reference", "auto"],
                         help="attention backend (default: FLEXENGINE_ATTENTION_BACKEND, else auto)")
-    parser.add_argument("--enforce-eager", action="store_true", help="never compile or capture CUDA graphs")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs, no compiled layers (FlexAttention stays compiled on a GPU)")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output per request")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pages (default: sized from memory)")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV cache page")

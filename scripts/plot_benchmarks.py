@@ -50,8 +50,8 @@ def plot_throughput(ax, cmp):
     ax.yaxis.set_major_formatter(lambda v, _: f"{v:,.0f}")
     ax.yaxis.set_minor_formatter(lambda v, _: "")
     ax.set_ylabel("output tok/s (log)")
-    ax.set_title(f"(b) end-to-end, {rows[0]['prompts']} prompts x {cmp['input_len']} in x {cmp['output_len']} out\n{TITLE}",
-                 fontsize=10)
+    shape = f"{rows[0]['prompts']} prompts x {cmp['input_len']} in x {cmp['output_len']} out"
+    ax.set_title(f"(b) end-to-end, {shape}\n{TITLE}", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
 
 

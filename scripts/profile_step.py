@@ -73,8 +73,8 @@ def profile_decode(llm, batch: int, input_len: int, steps: int = 8) -> None:
     prompts = random_prompts(batch, input_len, engine.vocab_size, seed=batch)
     ids = [f"p{batch}-{i}" for i in range(batch)]
     for rid, p in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": p}, SamplingParams(max_tokens=None, ignore_eos=True, temperature=0),
-                           final_only=True)
+        params = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0)
+        engine.add_request(rid, {"prompt_token_ids": p}, params, final_only=True)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(2):

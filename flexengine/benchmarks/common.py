@@ -17,7 +17,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The LLM(...) flags every end-to-end benchmark takes; None leaves the engine's default."""
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
-    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs, no compiled layers (FlexAttention stays compiled on a GPU)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (default: sized from memory)")

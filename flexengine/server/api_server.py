@@ -247,7 +247,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, default=None)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     engine.add_argument("--attention-backend", default=None, choices=["flex", "flash", "reference", "auto"])
-    engine.add_argument("--enforce-eager", action="store_true", default=None)
+    engine.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="no CUDA graphs, no compiled layers (FlexAttention stays compiled on a GPU)")
     engine.add_argument("--seed", type=int, default=None)
     engine.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="decode steps per schedule, fed on the device (CUDA graphs only; default 1)")
