@@ -61,11 +61,19 @@ def tile_bucket(n: int) -> int:
 
 
 _FUSE = {"enabled": False}
+_FUSED: list = []  # every `fused` wrapper, for reset_fused
 
 
 def set_fused_elementwise(enabled: bool) -> None:
     """Turn the `fused` functions' compiled versions on (the CUDA engine) or off (eager, CPU)."""
     _FUSE["enabled"] = enabled
+
+
+def reset_fused() -> None:
+    """Drop the `fused` functions' compiled versions; the next call compiles again (with whatever
+    torch.compile is then: tests swap in other backends)."""
+    for wrapper in _FUSED:
+        wrapper.compiled = None
 
 
 def fused(fn):
@@ -75,17 +83,15 @@ def fused(fn):
     passed as `self` is inlined: its parameters are inputs, not constants); inside a compiled region
     the plain function is traced instead. Off unless the engine turns it on.
     """
-    compiled = None
-
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        nonlocal compiled
         if not _FUSE["enabled"] or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
-        if compiled is None:
+        if wrapper.compiled is None:
             configure_dynamo()
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-        return compiled(*args, **kwargs)
+            wrapper.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        return wrapper.compiled(*args, **kwargs)
 
-    wrapper.eager = fn
+    wrapper.eager, wrapper.compiled = fn, None
+    _FUSED.append(wrapper)
     return wrapper

@@ -2,8 +2,9 @@
 
 FlexAttention is compiled with static shapes and the engine pads prefill tiles to powers of two and
 decode rows to the decode buckets. Prefill bucket b is warmed by one step of b two-token requests,
-one tile each; decode bucket b by one step of b one-token requests. Dummy requests use pages no
-request owns yet. With CUDA graphs the capture compiles the decode buckets instead.
+one tile each; decode bucket b by one step of b one-token requests. Dummy requests write pages no
+request owns yet (sharing them when there are more dummies than pages). With CUDA graphs the
+capture compiles the decode buckets instead.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def max_prefill_tiles(max_num_batched_tokens: int, max_num_seqs: int) -> int:
 
 def prefill_buckets(runner) -> list[int]:
     cfg = runner.config
-    top = min(max_prefill_tiles(cfg.max_num_batched_tokens, cfg.max_num_seqs), runner.num_blocks)
+    top = max_prefill_tiles(cfg.max_num_batched_tokens, cfg.max_num_seqs)
     return [1 << i for i in range(top.bit_length()) if 1 << i <= top]
 
 
@@ -37,7 +38,7 @@ def dummy_step(runner, num_seqs: int, tokens_each: int) -> None:
     for i in range(num_seqs):
         seq = Sequence(request_id="warmup", index=0, token_ids=[0] * tokens_each, num_prompt_tokens=tokens_each,
                        params=None)
-        seq.block_table = [i]
+        seq.block_table = [i % runner.num_blocks]  # dummies may share pages: a bucket can outnumber them
         seqs.append(seq)
     with torch.inference_mode():
         inputs = runner.prepare_step(ScheduledBatch(seqs, [tokens_each] * num_seqs), sampling=False)
@@ -51,8 +52,7 @@ def warm_up_steps(runner, decode: bool = False) -> float:
         dummy_step(runner, b, 2)
     if decode:
         for b in decode_buckets(runner.config.max_num_seqs):
-            if b <= runner.num_blocks:
-                dummy_step(runner, b, 1)
+            dummy_step(runner, b, 1)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start

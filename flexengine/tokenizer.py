@@ -25,18 +25,25 @@ class IncrementalDetokenizer:
 
     Decodes a short window (a few tokens of context before the unread ones, so tokenizers that
     glue words with spaces decode the same as in full text). Text that ends in U+FFFD is a UTF-8
-    sequence split across tokens: it is held back until the next token completes it.
+    sequence split across tokens: it is held back until the next token completes it. The window
+    never starts inside a character, where it would decode to a spurious U+FFFD.
     """
 
     def __init__(self, tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.ids = [int(t) for t in prompt_ids]
-        self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
+        self.prefix_offset = self._clean_start(max(len(self.ids) - 5, 0), self.read_offset)
         self.text = ""
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _clean_start(self, start: int, end: int) -> int:
+        """`start`, moved back until ids[start:end] does not begin inside a character."""
+        while start > 0 and self._decode(self.ids[start:end]).startswith("\ufffd"):
+            start -= 1
+        return start
 
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
@@ -46,8 +53,21 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = self._clean_start(self.read_offset, len(self.ids)), len(self.ids)
         self.text += delta
+        return delta
+
+    def emitted_by_add(self) -> str:
+        """For ids appended without `add`: the text `add` would have returned for them one by one,
+        that is, up to the last token after which the text did not end inside a character."""
+        end = len(self.ids)
+        while end > self.read_offset and self._decode(self.ids[self.prefix_offset:end]).endswith("\ufffd"):
+            end -= 1
+        if end == self.read_offset:
+            return ""
+        held, self.ids = self.ids[end:], self.ids[:end]
+        delta = self.flush()
+        self.ids += held
         return delta
 
     def flush(self) -> str:

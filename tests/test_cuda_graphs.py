@@ -64,7 +64,8 @@ def test_graphs_equal_eager_and_no_recompiles_after_warm_up():
 
 def test_fused_elementwise_matches_eager():
     """The compiled norm / rotary / activation / split-merge kernels the CUDA engine uses, checked on CPU."""
-    from flexengine.compile import set_fused_elementwise
+    from flexengine.compile import reset_fused, set_fused_elementwise
+    reset_fused()  # compile here, with Inductor
     from flexengine.attention.backends.flex import merge_splits
     from flexengine.layers.activation import act_and_mul
     from flexengine.layers.norms import rms_norm
@@ -90,6 +91,7 @@ def gpu_shaped_engines(monkeypatch):
     decode-graph runner run eagerly), compiled by dynamo's `eager` backend, whose guards are the ones
     a GPU build has. Dynamo starts empty, so a test sees its own engine's compiles. Yields the undo."""
     from flexengine.attention.backends import flex
+    from flexengine.compile import reset_fused
     from flexengine.engine import model_runner
 
     compile_ = torch.compile
@@ -97,11 +99,13 @@ def gpu_shaped_engines(monkeypatch):
     monkeypatch.setattr(model_runner, "wants_compile", lambda device, enforce_eager: not enforce_eager)
     monkeypatch.setattr(flex.FlexBackend, "compiled", lambda self, device: True)
     flex._compiled_flex.cache_clear()
+    reset_fused()
     torch._dynamo.reset()
 
     def undo():
         monkeypatch.undo()
         flex._compiled_flex.cache_clear()
+        reset_fused()
 
     yield undo
     undo()
@@ -134,6 +138,16 @@ def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, en
     assert not plain.llm_engine.runner.static_shapes
     expected = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_warm_up_covers_buckets_larger_than_the_pool(gpu_shaped_engines):
+    """14 decodes land in bucket 16 though the pool has 12 pages: the warm-up must have compiled it."""
+    llm = LLM(max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=12, block_size=8, max_model_len=32,
+              enforce_eager=True)
+    before = compile_count()
+    prompts = [{"prompt_token_ids": [i + 1, 2, 3]} for i in range(14)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert compile_count() == before
 
 
 def test_multi_step_decode_equals_one_step(gpu_shaped_engines):
@@ -170,7 +184,8 @@ def test_multi_step_decode_equals_one_step(gpu_shaped_engines):
 @pytest.mark.parametrize("num_tokens", [5, 1])
 def test_compiled_layer_regions_match_eager(num_tokens):
     """A decoder layer's two compiled regions (Inductor, here on CPU) against the same code run eagerly."""
-    from flexengine.compile import set_fused_elementwise
+    from flexengine.compile import reset_fused, set_fused_elementwise
+    reset_fused()  # compile here, with Inductor, whatever an earlier test compiled them with
     model = LLM(num_kv_blocks=16, enforce_eager=True).llm_engine.runner.model
     layer, spec = model.model.layers[0], model.spec
     g = torch.Generator().manual_seed(num_tokens)

@@ -6,6 +6,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -157,3 +159,27 @@ def test_incremental_detokenizer_holds_back_split_characters():
     assert deltas[ids.index(0xF0):ids.index(0xF0) + 4] == ["", "", "", "🙂"]
     detok.add(0xE2)  # a broken tail comes out only at the end, as U+FFFD
     assert detok.flush() == "\ufffd"
+
+
+class ChunkTokenizer:
+    """Tokens are byte strings that may split a UTF-8 character, decoded as byte-level BPE does."""
+    CHUNKS = [b"a", b" ", b"\xc3", b"\xa9", b" \xe2\x80", b"\xa6", b"\xf0\x9f", b"\x99\x82", b"z\xc3", b"\xa9b"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.CHUNKS[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, len(ChunkTokenizer.CHUNKS) - 1), max_size=4),
+       st.lists(st.integers(0, len(ChunkTokenizer.CHUNKS) - 1), min_size=1, max_size=10))
+def test_text_decoded_at_the_end_equals_streamed_text(prompt, output):
+    """Offline requests decode once at the end. At a stop (EOS) that must give what `add` had emitted
+    token by token; at a length cut-off, that plus `flush`."""
+    tok = ChunkTokenizer()
+    streamed = IncrementalDetokenizer(tok, prompt)
+    text = "".join(streamed.add(t) for t in output)
+    at_stop, at_length = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(tok, prompt)
+    at_stop.ids += output
+    at_length.ids += output
+    assert at_stop.emitted_by_add() == text
+    assert at_length.flush() == text + streamed.flush()

@@ -4,6 +4,7 @@ The simulated model writes a shadow K/V (the token prefix each slot was computed
 token that depends only on the sequence and its length, so a preempted and recomputed sequence must
 end with exactly the tokens it would have had without preemption.
 """
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -206,9 +207,10 @@ SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_cou
 TestSchedulerMachine = SchedulerMachine.TestCase
 
 
-def decoding(sched, n, name):
+def decoding(sched, n, name, **params):
     """A running sequence of n tokens whose first n - 1 have K/V: it decodes next."""
-    seq = Sequence(request_id=name, index=0, token_ids=[1] * n, num_prompt_tokens=n - 1, params=SamplingParams())
+    seq = Sequence(request_id=name, index=0, token_ids=[1] * n, num_prompt_tokens=n - 1,
+                   params=SamplingParams(**params))
     sched.block_manager.allocate(seq, n - 1)
     seq.num_computed_tokens, seq.status = n - 1, SequenceStatus.RUNNING
     sched.running.append(seq)
@@ -224,6 +226,25 @@ def test_multi_step_only_for_pure_decode_with_pages_to_spare():
     assert (len(a.block_table), len(b.block_table)) == (2, 3)  # positions up to 7 and 11
     sched.add(Sequence(request_id="c", index=0, token_ids=[2] * 3, num_prompt_tokens=3, params=SamplingParams()))
     assert sched.schedule().num_steps == 1  # c waits: one step, which admits it
+
+
+def test_multi_step_runs_while_the_waiting_cannot_be_admitted_and_for_the_tokens_wanted():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, num_scheduler_steps=8)
+    decoding(sched, 5, "a", max_tokens=4)
+    decoding(sched, 5, "b", max_tokens=3)  # one output token so far each: 3 and 2 more wanted
+    sched.add(Sequence(request_id="c", index=0, token_ids=[2] * 3, num_prompt_tokens=3, params=SamplingParams()))
+    batch = sched.schedule()  # c waits, but max_num_seqs are running
+    assert batch.num_steps == 3 and len(batch.seqs) == 2
+
+
+@pytest.mark.parametrize("params", [dict(logprobs=2), dict(attention_params={"x": 0.5})])
+def test_no_multi_step_where_the_graphs_cannot_serve(params):
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, num_scheduler_steps=8)
+    decoding(sched, 5, "a")
+    decoding(sched, 5, "b", **params)
+    assert sched.schedule().num_steps == 1
 
 
 def test_multi_step_needs_spare_pages_and_stops_short_of_max_model_len():

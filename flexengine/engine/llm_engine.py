@@ -267,8 +267,8 @@ class LLMEngine:
                 if params.stop and delta and self._check_stop_strings(seq, len(delta)):
                     return
         if stop_token:
-            if detok is not None and seq.text_at_end:  # as `add` would have: an unfinished character is dropped
-                seq.text += detok.flush().rstrip("\ufffd")
+            if detok is not None and seq.text_at_end:
+                seq.text += detok.emitted_by_add()  # a stop drops an unfinished character, as in streaming
             seq.stop_reason = token if token in params.stop_token_ids else None
             self.scheduler.finish(seq, "stop")
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or \

@@ -18,6 +18,17 @@ from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
+def multi_step_ok(params) -> bool:
+    """Multi-step decode runs on the CUDA graphs, which return no logprobs and hold int64 parameters."""
+    return params.logprobs is None and not any(isinstance(v, float) for v in (params.attention_params or {}).values())
+
+
+def tokens_wanted(seq: Sequence) -> float:
+    """Tokens `seq` may still generate before max_tokens (inf without a limit)."""
+    limit = seq.params.max_tokens
+    return float("inf") if limit is None else limit - seq.num_output_tokens
+
+
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
@@ -88,15 +99,18 @@ class Scheduler:
         return batch
 
     def schedule_multi_step(self) -> ScheduledBatch | None:
-        """Every running sequence decodes for several steps, when nothing waits and pages suffice.
+        """Every running sequence decodes for several steps, when no waiting one could be admitted
+        and pages suffice.
 
-        Steps stop short of max_model_len (a position past it has no column in the block table); a
-        sequence that finishes early (EOS, max_tokens) runs on and its extra tokens are dropped.
+        Steps stop short of max_model_len (a position past it has no column in the block table) and
+        at the most tokens any sequence still wants; a sequence that finishes early (EOS, its own
+        max_tokens) runs on and its extra tokens are dropped.
         """
-        if self.num_scheduler_steps < 2 or self.waiting or not self.running or \
-                any(s.num_uncomputed_tokens != 1 for s in self.running):
+        if self.num_scheduler_steps < 2 or not self.running or \
+                (self.waiting and len(self.running) < self.max_num_seqs) or \
+                not all(s.num_uncomputed_tokens == 1 and multi_step_ok(s.params) for s in self.running):
             return None
-        k = self.num_scheduler_steps
+        k = min(self.num_scheduler_steps, max(tokens_wanted(s) for s in self.running))
         if self.max_model_len is not None:
             k = min(k, min(self.max_model_len - s.num_tokens + 1 for s in self.running))
         bm = self.block_manager
