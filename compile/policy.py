@@ -2,6 +2,7 @@
 hard error (never a silent eager fallback) when the budget runs out."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -67,6 +68,17 @@ _FUSED: list = []  # every `fused` wrapper, for reset_fused
 def set_fused_elementwise(enabled: bool) -> None:
     """Turn the `fused` functions' compiled versions on (the CUDA engine) or off (eager, CPU)."""
     _FUSE["enabled"] = enabled
+
+
+@contextlib.contextmanager
+def fused_elementwise(enabled: bool):
+    """`set_fused_elementwise` for the calls inside; each engine's steps run under its own setting."""
+    before = _FUSE["enabled"]
+    _FUSE["enabled"] = enabled
+    try:
+        yield
+    finally:
+        _FUSE["enabled"] = before
 
 
 def reset_fused() -> None:

@@ -18,6 +18,7 @@ import torch
 from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
 from ..attention.metadata import AttentionMetadata, build_metadata, plan_layout
+from ..compile import fused_elementwise
 from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN_CAP, MAX_KV_POOL_ELEMENTS,
                       EngineConfig)
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
@@ -103,8 +104,6 @@ class ModelRunner:
         # A fixed table width keeps every compiled shape (and stride) the same from step to step.
         self.table_width = -(-self.max_model_len // self.block_size)
         self.decode_graphs = None
-        from ..compile import set_fused_elementwise
-        set_fused_elementwise(self.compiled)
         if self.static_shapes:
             from ..compile import allow_recompiles
             from ..compile.warmup import shape_classes, warm_up_steps
@@ -281,7 +280,8 @@ class ModelRunner:
             num_logprobs=max(asked) if asked else -1)
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        with fused_elementwise(self.compiled):  # this engine's setting, whatever other engines use
+            return self.model(input_ids, positions, meta)
 
     def sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
