@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import inspect
+import types
+import weakref
 from typing import Callable
 
 _MASK_MODS: dict[str, Callable] = {}
@@ -71,11 +73,24 @@ def mod_name(fn: Callable) -> str:
     return getattr(fn, "mod_name", None) or getattr(fn, "__name__", type(fn).__name__)
 
 
+_PARAMS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function → {base_args: names}
+
+
 def request_params(fn: Callable, base_args: tuple[str, ...]) -> tuple[str, ...]:
     """Names of the per-request parameters a mod reads: its arguments after the coordinates.
 
     `def m(b, h, q_idx, kv_idx, prefix_len)` reads `prefix_len`, a tensor indexed by request `b`.
+    Every step asks, so a plain function's answer is kept.
     """
+    if not isinstance(fn, types.FunctionType):
+        return _request_params(fn, base_args)
+    known = _PARAMS_OF.setdefault(fn, {})
+    if base_args not in known:
+        known[base_args] = _request_params(fn, base_args)
+    return known[base_args]
+
+
+def _request_params(fn: Callable, base_args: tuple[str, ...]) -> tuple[str, ...]:
     declared = getattr(fn, "request_params", None)
     if declared is not None:
         return tuple(declared)
