@@ -60,6 +60,13 @@ def test_graphs_equal_eager_and_no_recompiles_after_warm_up():
     out_eager = eager.generate(prompts, params, use_tqdm=False)
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_eager))
     assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ between graphs and eager"
+    del eager
+    multi = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, num_scheduler_steps=4)
+    before = compile_count()
+    out_multi = multi.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up (multi-step)"
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_multi))
+    assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ with 4 steps per schedule"
 
 
 def test_fused_elementwise_matches_eager():

@@ -22,6 +22,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (default: sized from memory)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
     p.add_argument("--attention-backend", default=None, help="flex | flash | reference | auto")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps per schedule, fed on the device (CUDA graphs only; default 1)")
@@ -33,7 +34,7 @@ def engine_kwargs(args) -> dict:
     kwargs = dict(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, seed=args.seed)
     optional = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
-                    num_scheduler_steps=args.num_scheduler_steps)
+                    num_scheduler_steps=args.num_scheduler_steps, block_size=args.block_size)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs
 
