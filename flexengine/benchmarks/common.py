@@ -22,10 +22,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (default: sized from memory)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (None: the engine's 16)")
     p.add_argument("--attention-backend", default=None, help="flex | flash | reference | auto")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
-                   help="decode steps per schedule, fed on the device (CUDA graphs only; default 1)")
+                   help="decode steps per schedule, fed on the device (CUDA graphs only; None: 1)")
     p.add_argument("--seed", type=int, default=0, help="engine seed and prompt seed")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
 
