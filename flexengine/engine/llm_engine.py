@@ -212,9 +212,8 @@ class LLMEngine:
             assert not self.scheduler.has_unfinished(), "the scheduler could not run any queued sequence"
             return []
         if batch.num_steps > 1:
-            tokens = self.runner.execute_multi_step(batch)
-            if tokens is not None:
-                return self.process_multi_step(batch, tokens.tolist())  # the steps' one device → host sync
+            tokens = self.runner.execute_multi_step(batch).tolist()  # the steps' one device → host sync
+            return self.process_multi_step(batch, tokens)
         seqs, out = self.runner.execute(batch)
         self.scheduler.update_computed(batch)
         if not seqs:

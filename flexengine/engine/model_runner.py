@@ -23,7 +23,7 @@ from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_L
                       EngineConfig)
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .layer_mods import apply_mod_overrides, mod_params
-from .scheduler import ScheduledBatch
+from .scheduler import ScheduledBatch, graphs_hold
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -323,18 +323,15 @@ class ModelRunner:
     def decode_with_graphs(self, batch: ScheduledBatch) -> bool:
         g = self.decode_graphs
         return (g is not None and all(n == 1 for n in batch.num_new_tokens)
-                and all(s.num_computed_tokens == s.num_tokens - 1 for s in batch.seqs)
+                and all(s.num_computed_tokens == s.num_tokens - 1 and graphs_hold(s.params) for s in batch.seqs)
                 and g.bucket_for(len(batch.seqs)) is not None)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
         """One step: → (sequences that got a token, their sampler output)."""
         if self.decode_with_graphs(batch):
-            inputs = self.prepare_decode(batch.seqs)
-            # The graphs' parameter buffers are int64; a float parameter takes the ordinary path.
-            if not any(t.is_floating_point() for t in inputs[-1].values()):
-                logits = self.decode_graphs.run(*inputs)
-                return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs))
+            logits = self.decode_graphs.run(*self.prepare_decode(batch.seqs))
+            return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs))
         inputs = self.prepare_step(batch)
         hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seqs:
@@ -342,16 +339,12 @@ class ModelRunner:
         return inputs.sample_seqs, self.sample(hidden, inputs)
 
     @torch.inference_mode()
-    def execute_multi_step(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def execute_multi_step(self, batch: ScheduledBatch) -> torch.Tensor:
         """batch.num_steps decode steps back to back, each fed the last one's samples on the device:
-        → token ids [num_steps, n], or None where the graphs cannot (the caller runs one step)."""
-        if not self.decode_with_graphs(batch) or any(s.params.logprobs is not None for s in batch.seqs):
-            return None
-        inputs = self.prepare_decode(batch.seqs)
-        if any(t.is_floating_point() for t in inputs[-1].values()):
-            return None
+        → token ids [num_steps, n]. The scheduler made it only where the graphs serve every row."""
+        assert self.decode_with_graphs(batch), "a multi-step batch the decode graphs cannot run"
         sampling = self.sampling_tensors(batch.seqs)
-        tokens = [self.sampler(self.decode_graphs.run(*inputs), sampling).token_ids]
+        tokens = [self.sampler(self.decode_graphs.run(*self.prepare_decode(batch.seqs)), sampling).token_ids]
         for _ in range(batch.num_steps - 1):
             tokens.append(self.sampler(self.decode_graphs.run_next(tokens[-1]), sampling).token_ids)
         return torch.stack(tokens)
