@@ -8,7 +8,9 @@
 # Env knobs: OUT (bench_out), MODEL_DIR (/tmp/llama1b), PRESET (llama-3.2-1b), NUM_PROMPTS (256),
 #   TF_PROMPTS (prompts for transformers generate_batch, default NUM_PROMPTS), BATCH1 (1: add the
 #   batch-1 comparison with transformers generate, ~1-2 min more), BUDGET (seconds, 390), PYTHON,
-#   DRY_RUN (1: print the commands, run nothing).
+#   DRY_RUN (1: print the commands, run nothing), STEPS (which of throughput latency
+#   compare_transformers throughput_eager latency_eager to run, in that order; default all),
+#   ENGINE_ARGS (extra engine flags for every run, e.g. "--num-scheduler-steps 8").
 set -u
 OUT=${OUT:-bench_out}
 MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}
@@ -19,9 +21,11 @@ BATCH1=${BATCH1:-0}
 BUDGET=${BUDGET:-390}
 PY=${PYTHON:-python3}
 DRY_RUN=${DRY_RUN:-0}
+STEPS=${STEPS:-throughput latency compare_transformers throughput_eager latency_eager}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-rm -f "$OUT"/{make_model,throughput,latency,compare_transformers,throughput_eager,latency_eager}.{log,json}  # no stale results
+for s in make_model $STEPS; do rm -f "$OUT/$s.log" "$OUT/$s.json"; done  # no stale results
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 START=$(date +%s)
 STATUS=()
 
@@ -57,23 +61,23 @@ summary() {
   done
 }
 
-COMMON=(--model "$MODEL_DIR" --dtype bfloat16)
+COMMON=(--model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-})
 if [[ -f $MODEL_DIR/config.json ]]; then  # config.json is written last: its presence means a whole checkpoint
   STATUS+=("make-model: reused $MODEL_DIR")
 else
   run_step make_model 180 "$PY" -m flexengine.cli make-model --preset "$PRESET" --out "$MODEL_DIR" --dtype bfloat16 \
     || { summary; exit 1; }
 fi
-run_step throughput 150 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
+want throughput && run_step throughput 150 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
   --input-len 256 --output-len 256 --json-out "$OUT/throughput.json"
-run_step latency 120 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --max-num-seqs 1 --batch-size 1 --input-len 128 \
+want latency && run_step latency 120 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --max-num-seqs 1 --batch-size 1 --input-len 128 \
   --output-len 256 --num-iters 3 --json-out "$OUT/latency.json"
 B1=(); (( BATCH1 )) && B1=(--batch1)
-run_step compare_transformers $(( BATCH1 ? 300 : 200 )) "$PY" -m flexengine.benchmarks.compare_transformers "${COMMON[@]}" \
+want compare_transformers && run_step compare_transformers $(( BATCH1 ? 300 : 200 )) "$PY" -m flexengine.benchmarks.compare_transformers "${COMMON[@]}" \
   --num-prompts "$NUM_PROMPTS" --tf-num-prompts "$TF_PROMPTS" --input-len 256 --output-len 256 ${B1[@]+"${B1[@]}"} \
   --json-out "$OUT/compare_transformers.json"
-run_step throughput_eager 120 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --enforce-eager \
+want throughput_eager && run_step throughput_eager 120 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --enforce-eager \
   --num-prompts "$NUM_PROMPTS" --input-len 256 --output-len 256 --json-out "$OUT/throughput_eager.json"
-run_step latency_eager 100 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --max-num-seqs 1 --enforce-eager --batch-size 1 \
+want latency_eager && run_step latency_eager 100 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --max-num-seqs 1 --enforce-eager --batch-size 1 \
   --input-len 128 --output-len 256 --num-iters 2 --json-out "$OUT/latency_eager.json"
 summary

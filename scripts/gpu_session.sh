@@ -4,7 +4,8 @@
 #   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
 # Stages: tests (pytest -m gpu), attention (kernel table), compare (flexengine vs transformers
 # generate_batch, 256 x 256 x 256), throughput, latency (batch 1), eager (throughput and latency with
-# --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py).
+# --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py). The
+# end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR.
 set -u
 OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}; BUDGET=${BUDGET:-560}
@@ -32,22 +33,20 @@ model() {
     --out "$MODEL_DIR" --dtype bfloat16
 }
 
-M=(--model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-})  # ENGINE_ARGS: extra engine flags for every run
+# e2e STEP...: those steps of scripts/e2e_bench.sh, within the budget left
+e2e() {
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  step "e2e_${1}" "$left" env STEPS="$*" BUDGET="$left" bash scripts/e2e_bench.sh
+}
+
 for stage in ${*:-tests attention compare latency}; do
   case $stage in
     tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short tests ;;
     attention) step attention 300 python3 -m flexengine.benchmarks.attention --json "$OUT/attention.json" ;;
-    compare) model && step compare_transformers 200 python3 -m flexengine.benchmarks.compare_transformers "${M[@]}" \
-      --num-prompts 256 --input-len 256 --output-len 256 --json-out "$OUT/compare_transformers.json" ;;
-    throughput) model && step throughput 150 python3 -m flexengine.cli bench throughput "${M[@]}" --num-prompts 256 \
-      --input-len 256 --output-len 256 --json-out "$OUT/throughput.json" ;;
-    latency) model && step latency 90 python3 -m flexengine.cli bench latency "${M[@]}" --max-num-seqs 1 --batch-size 1 \
-      --input-len 128 --output-len 256 --num-iters 3 --json-out "$OUT/latency.json" ;;
-    eager) model && step latency_eager 90 python3 -m flexengine.cli bench latency "${M[@]}" --enforce-eager \
-      --max-num-seqs 1 --batch-size 1 --input-len 128 --output-len 64 --num-iters 2 --json-out "$OUT/latency_eager.json" \
-      && step throughput_eager 150 python3 -m flexengine.cli bench throughput "${M[@]}" --enforce-eager \
-      --num-prompts 256 --input-len 256 --output-len 256 --json-out "$OUT/throughput_eager.json" ;;
-    serve) model && step serve 240 bash scripts/serve_bench.sh ;;
+    compare) e2e compare_transformers ;;
+    throughput|latency) e2e "$stage" ;;
+    eager) e2e latency_eager throughput_eager ;;
+    serve) step serve 240 bash scripts/serve_bench.sh ;;  # it makes the checkpoint itself
     profile) model && step profile 240 python3 scripts/profile_step.py --model "$MODEL_DIR" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
