@@ -170,6 +170,14 @@ def build_phys_to_logical(block_tables: torch.Tensor, seq_lens: torch.Tensor, bl
     return p2l[:num_blocks]
 
 
+def to_device(array: np.ndarray, device) -> torch.Tensor:
+    """One host→device copy, from pinned memory on CUDA so that it does not block the host."""
+    t = torch.from_numpy(array)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 _LAYOUT_FIELDS = ("decode_req", "tile_req", "tile_q_lo", "tile_q_hi", "tile_valid", "tile_split", "prefill_req", "prefill_pos",
                   "prefill_src", "prefill_dst", "decode_src", "decode_dst")
 
@@ -180,10 +188,7 @@ def build_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapp
     """Ship the layout in ONE host→device copy (pinned on CUDA), then build the page map on the device."""
     device = block_tables.device
     arrays = [np.asarray(getattr(layout, f), dtype=np.int64) for f in _LAYOUT_FIELDS]
-    packed = torch.from_numpy(np.concatenate(arrays))
-    if device.type == "cuda":
-        packed = packed.pin_memory()
-    packed = packed.to(device, non_blocking=True)
+    packed = to_device(np.concatenate(arrays), device)
     views = dict(zip(_LAYOUT_FIELDS, packed.split([len(a) for a in arrays])))
     views["tile_valid"] = views["tile_valid"].bool()
     return AttentionMetadata(

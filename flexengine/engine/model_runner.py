@@ -17,7 +17,7 @@ import torch
 
 from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
-from ..attention.metadata import AttentionMetadata, build_metadata, plan_layout
+from ..attention.metadata import AttentionMetadata, build_metadata, plan_layout, to_device
 from ..compile import fused_elementwise
 from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN_CAP, MAX_KV_POOL_ELEMENTS,
                       EngineConfig)
@@ -195,10 +195,7 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- the step
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return to_device(array, self.device)
 
     def prepare_step(self, batch: ScheduledBatch, sampling: bool = True) -> StepInputs:
         """Pack the scheduled tokens: ids, positions, slots, block tables, lengths; build the metadata once."""

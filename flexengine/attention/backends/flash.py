@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...masks import causal, mod_name
-from ..metadata import AttentionMetadata
+from ..metadata import AttentionMetadata, to_device
 
 try:  # torch >= 2.9; older torch serves fresh prefills with SDPA per request
     from torch.nn.attention.varlen import varlen_attn
@@ -212,10 +212,7 @@ def build_step(meta: AttentionMetadata, num_tokens: int) -> FlashStep:
     cu = np.zeros((2, len(ql) + 1), dtype=np.int32)
     np.cumsum(ql, out=cu[0, 1:])
     np.cumsum(sl, out=cu[1, 1:])
-    packed = torch.from_numpy(cu)
-    if device.type == "cuda":
-        packed = packed.pin_memory()
-    packed = packed.to(device, non_blocking=True)  # one copy for both
+    packed = to_device(cu, device)  # one copy for both
     fresh = all(n == L for n, L in zip(ql, sl))
     return FlashStep(cu_seqlens_q=packed[0], cu_seqlens_k=packed[1], seqused_k=meta.seq_lens.to(torch.int32),
                      page_table=meta.block_tables.to(torch.int32).contiguous(), max_q=max(ql), max_k=max(sl),
