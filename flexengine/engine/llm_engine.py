@@ -236,8 +236,7 @@ class LLMEngine:
             for row in tokens:
                 if seq.is_finished:
                     break
-                seq.num_computed_tokens += 1
-                self.block_manager.cache_full_blocks(seq)
+                self.scheduler.mark_computed(seq, 1)
                 self._append_token(seq, row[i], None)
             progressed[seq.request_id] = self.requests[seq.request_id]
         return self._outputs(progressed)

@@ -167,9 +167,12 @@ class Scheduler:
     def update_computed(self, batch: ScheduledBatch) -> None:
         """After the model ran: the scheduled tokens have K/V; full pages enter the prefix cache."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            assert seq.num_computed_tokens <= seq.num_tokens
-            self.block_manager.cache_full_blocks(seq)
+            self.mark_computed(seq, n)
+
+    def mark_computed(self, seq: Sequence, n: int) -> None:
+        seq.num_computed_tokens += n
+        assert seq.num_computed_tokens <= seq.num_tokens
+        self.block_manager.cache_full_blocks(seq)
 
     # ---------------------------------------------------------------- leaving
     def finish(self, seq: Sequence, reason: str) -> None:
