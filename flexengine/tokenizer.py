@@ -45,11 +45,15 @@ class IncrementalDetokenizer:
             start -= 1
         return start
 
+    def _window(self, end: int) -> tuple[str, str]:
+        """(text already read, text up to ids[end]) of the window: the new text is what the second
+        adds. A prompt may end inside a character; its broken tail belongs to the text still to come."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset]).rstrip("\ufffd")
+        return prefix, self._decode(self.ids[self.prefix_offset:end])
+
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        # A prompt may end inside a character; its broken tail belongs to the text still to come.
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset]).rstrip("\ufffd")
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix, full = self._window(len(self.ids))
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]
@@ -65,15 +69,12 @@ class IncrementalDetokenizer:
             end -= 1
         if end == self.read_offset:
             return ""
-        held, self.ids = self.ids[end:], self.ids[:end]
-        delta = self.flush()
-        self.ids += held
-        return delta
+        prefix, full = self._window(end)
+        return full[len(prefix):]
 
     def flush(self) -> str:
         """At the end of generation: whatever is still held back (possibly with U+FFFD)."""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset]).rstrip("\ufffd")  # as in `add`
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix, full = self._window(len(self.ids))
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
