@@ -10,7 +10,6 @@ wall time per step; flex and SDPA are kernel times (flex replayed from a CUDA gr
 from __future__ import annotations
 
 import argparse
-import json
 import random
 
 import torch
@@ -20,6 +19,7 @@ from ..attention.backends.flex import FlexBackend
 from ..attention.metadata import build_metadata, choose_decode_splits, plan_layout
 from ..compile import compile_count
 from ..masks import causal
+from .common import write_json
 
 HBM_BYTES_PER_S = 3.0e12
 BF16_FLOPS = 790e12
@@ -138,9 +138,7 @@ def main(args) -> int:
             cells += [f"{r[f'flex_p{p}']:.0f}", f"{r['sdpa'] / r[f'flex_p{p}']:.2f}x", f"{r[f'meta_p{p}']:.0f}"]
         print("| " + " | ".join(cells) + " |")
     print(f"# ratio = SDPA time / flex time (>1: flex faster); compiled graphs: {compile_count()}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    write_json(args.json, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows))
     return 0
 
 
