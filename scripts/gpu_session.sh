@@ -4,11 +4,16 @@
 #   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
 # Stages: tests (pytest -m gpu), attention (kernel table), compare (flexengine vs transformers
 # generate_batch, 256 x 256 x 256), throughput, latency (batch 1), eager (throughput and latency with
-# --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py). The
+# --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py), fa4 (install the
+# carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages still run
+# without it), flash (throughput and latency with --attention-backend flash, FA4 on the path). The
 # end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR.
 set -u
-OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}; BUDGET=${BUDGET:-560}
+# The checkpoint goes to /dev/shm when it has room: writing 2.5 GB to the box's disk took about a minute.
+SHM_FREE_KB=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}')
+if (( ${SHM_FREE_KB:-0} > 8000000 )); then DEFAULT_MODEL_DIR=/dev/shm/llama1b; else DEFAULT_MODEL_DIR=/tmp/llama1b; fi
+OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-$DEFAULT_MODEL_DIR}; BUDGET=${BUDGET:-560}
 export OUT MODEL_DIR PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 START=$(date +%s); STATUS=()
@@ -26,7 +31,11 @@ step() {
   timeout --kill-after=10 "$cap" "$@" 2>&1 | grep -v -i -E "warn|USDT|self.profiler = " | tee "$OUT/$name.log" | tail -40
   local rc=${PIPESTATUS[0]}
   STATUS+=("$name: rc=$rc ($(( $(date +%s) - t0 ))s)")
+  return "$rc"
 }
+
+FA4_PATH=  # set by the fa4 stage once FlashAttention-4 imports and passes its smoke test
+FA4_SITE_PATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages  # where scripts/fa4_install.sh puts it
 
 model() {
   [[ -f $MODEL_DIR/config.json ]] || step make_model 150 python3 -m flexengine.cli make-model --preset llama-3.2-1b \
@@ -47,6 +56,12 @@ for stage in ${*:-tests attention compare latency}; do
     throughput|latency) e2e "$stage" ;;
     eager) e2e latency_eager throughput_eager ;;
     serve) step serve 240 bash scripts/serve_bench.sh ;;  # it makes the checkpoint itself
+    fa4) step fa4 200 bash scripts/fa4_install.sh python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short \
+           tests/test_flash_backend.py && FA4_PATH=$FA4_SITE_PATH ;;
+    flash) if [[ -z $FA4_PATH ]]; then STATUS+=("flash: SKIPPED (no working FA4; run the fa4 stage first)"); else
+             left=$(( BUDGET - ($(date +%s) - START) ))
+             step flash_e2e "$left" env PYTHONPATH="$FA4_PATH" OUT="$OUT/flash" STEPS="throughput latency" BUDGET="$left" \
+               ENGINE_ARGS="${ENGINE_ARGS:-} --attention-backend flash" bash scripts/e2e_bench.sh; fi ;;
     profile) model && step profile 240 python3 scripts/profile_step.py --model "$MODEL_DIR" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

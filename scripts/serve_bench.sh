@@ -7,8 +7,8 @@ OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}; PORT=${PORT:-8123};
 mkdir -p "$OUT"
 WHEELS=${WHEELS:-.whl}  # the GPU box has no network: serve's wheels come from scripts/serve_wheels.sh
 if compgen -G "$WHEELS/*.whl" >/dev/null && ! $PY -c "import fastapi, uvicorn" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serve_site "$WHEELS"/*.whl
+  export PYTHONPATH=/tmp/serve_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 [[ -f $MODEL_DIR/config.json ]] || $PY -m flexengine.cli make-model --preset llama-3.2-1b --out "$MODEL_DIR" --dtype bfloat16
 $PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 --port "$PORT" --max-waiting-requests 1024 \

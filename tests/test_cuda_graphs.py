@@ -50,18 +50,20 @@ def test_graphs_equal_eager_and_no_recompiles_after_warm_up():
     prompts = [{"prompt_token_ids": [rng.randrange(1, 250) for _ in range(rng.randint(1, 300))]} for _ in range(300)]
     lengths = [rng.randint(1, 40) for _ in prompts]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    graphed = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096)
+    graphed = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, attention_backend="flex")
     assert graphed.llm_engine.runner.decode_graphs is not None
     before = compile_count()
     out_graphs = graphed.generate(prompts, params, use_tqdm=False)
     assert compile_count() == before, "a shape compiled after warm-up"
     del graphed
-    eager = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, enforce_eager=True)
+    eager = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, enforce_eager=True,
+                attention_backend="flex")
     out_eager = eager.generate(prompts, params, use_tqdm=False)
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_eager))
     assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ between graphs and eager"
     del eager
-    multi = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, num_scheduler_steps=4)
+    multi = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, num_scheduler_steps=4,
+                attention_backend="flex")
     before = compile_count()
     out_multi = multi.generate(prompts, params, use_tqdm=False)
     assert compile_count() == before, "a shape compiled after warm-up (multi-step)"
