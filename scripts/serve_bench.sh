@@ -1,17 +1,35 @@
 #!/usr/bin/env bash
 # Serving benchmark on a GPU box (issue 7): the llama-3.2-1b preset, 256 prompts of 256 in / 256 out,
 # request rate inf and 16/s against `flexengine serve`, and the offline engine's throughput on the
-# same workload in the same run. From the repo root after `pip install -e .`; logs in $OUT.
+# same workload in the same run. From the repo root after `pip install -e .`; logs in $OUT. ENGINE_ARGS
+# (e.g. "--num-scheduler-steps 8") go to both the server and the offline run.
 set -u
 OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}; PORT=${PORT:-8123}; PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 WHEELS=${WHEELS:-.whl}  # the GPU box has no network: serve's wheels come from scripts/serve_wheels.sh
 if compgen -G "$WHEELS/*.whl" >/dev/null && ! $PY -c "import fastapi, uvicorn" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serve_site "$WHEELS"/*.whl
+  # Only the wheels newer than what the box has: /tmp/serve_site comes first on the path, and an older
+  # carried typing_extensions there broke the box's anyio.
+  mapfile -t newer < <($PY - "$WHEELS"/*.whl <<'PY'
+import importlib.metadata, pathlib, sys
+from packaging.version import Version
+for whl in sys.argv[1:]:
+    name, version = pathlib.Path(whl).name.split("-")[:2]
+    try:
+        if Version(importlib.metadata.version(name)) >= Version(version):
+            continue
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    print(whl)
+PY
+)
+  rm -rf /tmp/serve_site  # a warm box keeps the last call's
+  (( ${#newer[@]} )) && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/serve_site "${newer[@]}"
   export PYTHONPATH=/tmp/serve_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 [[ -f $MODEL_DIR/config.json ]] || $PY -m flexengine.cli make-model --preset llama-3.2-1b --out "$MODEL_DIR" --dtype bfloat16
-$PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 --port "$PORT" --max-waiting-requests 1024 \
+$PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --port "$PORT" --max-waiting-requests 1024 \
   --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
@@ -25,7 +43,7 @@ for rate in inf 16; do
     --output-len 256 --request-rate "$rate" --json-out "$OUT/serve_rate_$rate.json" 2>&1 | tee "$OUT/serve_rate_$rate.log"
 done
 kill $server; wait $server 2>/dev/null
-$PY -m flexengine.cli bench throughput --model "$MODEL_DIR" --dtype bfloat16 --num-prompts 256 --input-len 256 \
+$PY -m flexengine.cli bench throughput --model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --num-prompts 256 --input-len 256 \
   --output-len 256 --temperature 0 2>&1 | tee "$OUT/offline_throughput.log"
 echo "=== serving vs offline"
 grep -hE "Output token throughput|Median TPOT" "$OUT"/serve_rate_*.log

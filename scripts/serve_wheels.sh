@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetch the wheels `flexengine serve` needs but the GPU box lacks (it has no network) into .whl/
-# (git-ignored, carried to the box; serve_bench.sh installs them there into /tmp/site).
+# (git-ignored, carried to the box; serve_bench.sh installs those newer than the box's into /tmp/serve_site).
 # Run on a machine with network. The box already has anyio, h11, click and httpx; fastapi 0.165
 # imports opentelemetry-api at import time, so it comes along.
 set -euo pipefail
