@@ -29,7 +29,7 @@ def test_static_buffer_decode_matches_the_ordinary_step():
     llm.generate(["warm the cache up"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     g = DecodeGraphRunner(r.forward_logits, r.backend, r.mods, max_num_seqs=4, block_size=8,
                           num_blocks=r.num_blocks + 1, table_width=r.table_width, num_kv_heads=r.num_kv_heads,
-                          params=(), scratch_slot=r.num_blocks * 8, device="cpu")
+                          params={}, scratch_slot=r.num_blocks * 8, device="cpu")
     for seqs in ([fake_seq(0, 20, [3, 9, 4]), fake_seq(1, 5, [7]), fake_seq(2, 9, [12, 1])],
                  [fake_seq(3, 1, [5])]):
         with torch.inference_mode():

@@ -130,13 +130,15 @@ def test_per_request_parameters_match_the_reference_and_are_int64():
     assert step_params(llm, params)["prefix_len"].dtype == torch.int64
 
 
-def test_float_parameters_are_float32():
-    def sharpened(score, b, h, q_idx, kv_idx, sharpness):
-        return score * sharpness[b]
+def sharpened(score, b, h, q_idx, kv_idx, sharpness: float):
+    return score * sharpness[b]
 
+
+def test_float_parameters_are_float32():
     llm = LLM(score_mod=sharpened, **SMALL)
-    got = step_params(llm, [greedy(sharpness=0.5), greedy(sharpness=2)])["sharpness"]  # one dtype per step
+    got = step_params(llm, [greedy(sharpness=0.5), greedy(sharpness=2)])["sharpness"]  # an int converts
     assert got.dtype == torch.float32 and got.tolist() == [0.5, 2.0]
+    assert step_params(llm, [greedy(sharpness=3)])["sharpness"].dtype == torch.float32  # ints alone too
     assert tokens(llm, PROMPTS[:2], [greedy(sharpness=1.0)] * 2) == tokens(LLM(**SMALL), PROMPTS[:2])
     assert tokens(llm, PROMPTS[2:], [greedy(sharpness=5.0)]) != tokens(LLM(**SMALL), PROMPTS[2:])
 
