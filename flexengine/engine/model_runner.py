@@ -23,7 +23,7 @@ from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_L
                       EngineConfig)
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .layer_mods import apply_mod_overrides, mod_params
-from .scheduler import ScheduledBatch, graphs_hold
+from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -318,7 +318,7 @@ class ModelRunner:
     def decode_with_graphs(self, batch: ScheduledBatch) -> bool:
         g = self.decode_graphs
         return (g is not None and all(n == 1 for n in batch.num_new_tokens)
-                and all(s.num_computed_tokens == s.num_tokens - 1 and graphs_hold(s.params) for s in batch.seqs)
+                and all(s.num_computed_tokens == s.num_tokens - 1 for s in batch.seqs)
                 and g.bucket_for(len(batch.seqs)) is not None)
 
     @torch.inference_mode()
