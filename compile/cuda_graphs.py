@@ -4,8 +4,8 @@ For each batch bucket (1, 2, 4, 8, then multiples of 16 up to max_num_seqs) one 
 page map → page lists → BlockMasks → embeddings → every layer (flex reading its BlockMask from the
 static buffers) → logits. The host only copies ids, positions, slots, block tables and lengths into the
 buffers and replays; padded rows have seq_len 0, so they read no page and write a scratch slot.
-Everything baked into a graph (bucket size, split-KV count, pool size, table width, parameter names)
-is part of its key.
+Everything baked into a graph (bucket size, split-KV count, pool size, table width, parameter names and
+dtypes) is part of its key.
 """
 from __future__ import annotations
 
@@ -25,19 +25,19 @@ class GraphKey:
     splits: int
     num_blocks: int
     table_width: int
-    params: tuple[str, ...]
+    params: tuple[tuple[str, torch.dtype], ...]
 
 
 class DecodeBuffers:
     """Static inputs for the largest bucket; a bucket uses the leading rows."""
 
-    def __init__(self, max_bs: int, width: int, params: tuple[str, ...], scratch_slot: int, device):
+    def __init__(self, max_bs: int, width: int, params: dict[str, torch.dtype], scratch_slot: int, device):
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_bs,), scratch_slot, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.params = {name: torch.zeros(max_bs, dtype=torch.long, device=device) for name in params}
+        self.params = {name: torch.zeros(max_bs, dtype=dtype, device=device) for name, dtype in params.items()}
         self.scratch_slot = scratch_slot
 
     def fill(self, input_ids, positions, slot_mapping, block_tables, seq_lens, params, bs: int) -> None:
@@ -51,6 +51,7 @@ class DecodeBuffers:
         self.seq_lens[:n].copy_(seq_lens)
         self.seq_lens[n:].zero_()  # every row past n: a stale length would map its stale pages
         for name, buf in self.params.items():
+            assert params[name].dtype == buf.dtype, (name, params[name].dtype, buf.dtype)  # one kernel per dtype
             buf[:n].copy_(params[name])
 
     def advance(self, token_ids: torch.Tensor, block_size: int) -> None:
@@ -79,7 +80,7 @@ class DecodeGraphRunner:
     """Captures and replays decode steps of `run_model(input_ids, positions, meta) -> logits`."""
 
     def __init__(self, forward_logits, backend, mods, *, max_num_seqs: int, block_size: int, num_blocks: int,
-                 table_width: int, num_kv_heads: int, params: tuple[str, ...], scratch_slot: int, device,
+                 table_width: int, num_kv_heads: int, params: dict[str, torch.dtype], scratch_slot: int, device,
                  use_graphs: bool = True):
         self.forward_logits, self.backend, self.mods = forward_logits, backend, mods
         self.block_size, self.num_blocks, self.width, self.params = block_size, num_blocks, table_width, params
@@ -97,7 +98,7 @@ class DecodeGraphRunner:
         self.capture_seconds = 0.0
 
     def key(self, bs: int) -> GraphKey:
-        return GraphKey(bs, self.splits[bs], self.num_blocks, self.width, self.params)
+        return GraphKey(bs, self.splits[bs], self.num_blocks, self.width, tuple(self.params.items()))
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)

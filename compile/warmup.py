@@ -3,8 +3,9 @@
 FlexAttention is compiled with static shapes and the engine pads prefill tiles to powers of two and
 decode rows to the decode buckets. Prefill bucket b is warmed by one step of b two-token requests,
 one tile each; decode bucket b by one step of b one-token requests. Dummy requests write pages no
-request owns yet (sharing them when there are more dummies than pages). With CUDA graphs the
-capture compiles the decode buckets instead.
+request owns yet (sharing them when there are more dummies than pages); their per-request parameters
+are zeros of the dtypes the mods declare, so requests meet the kernels compiled here. With CUDA graphs
+the capture compiles the decode buckets instead.
 """
 from __future__ import annotations
 

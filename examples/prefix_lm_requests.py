@@ -4,6 +4,8 @@ The registered "prefix_lm" mask is `(kv <= q) | (kv < prefix_len[b])`: bidirecti
 prefix_len tokens of request b, causal after. Its value comes from
 SamplingParams(attention_params={"prefix_len": P}); it is a tensor inside the engine, so requests with
 different lengths share one batch (and, on a GPU, the same compiled kernels and CUDA graphs).
+`prefix_len` is an int64 tensor because the mask leaves it unannotated; a mod that annotates a
+parameter `float` (`def m(score, b, h, q_idx, kv_idx, cap: float)`) reads float32 values instead.
 """
 import sys
 

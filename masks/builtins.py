@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import MASK_ARGS, get_mask_mod, mod_name, register_mask_mod, request_params
+from .registry import MASK_ARGS, get_mask_mod, merge_request_params, mod_name, register_mask_mod, request_params
 
 
 def _positive(name: str, value) -> int | float:
@@ -130,8 +130,9 @@ def alibi(slopes):
 
 def _combine(mods, op, bounds_op, name):
     assert mods, "composition needs at least one mask mod"
-    params = tuple(dict.fromkeys(p for m in mods for p in request_params(m, MASK_ARGS)))
-    own = [request_params(m, MASK_ARGS) for m in mods]
+    merged = merge_request_params((m, MASK_ARGS) for m in mods)  # raises if two parts disagree on a dtype
+    params = tuple(merged)
+    own = [tuple(request_params(m, MASK_ARGS)) for m in mods]
 
     def pick(values, names):
         return [values[params.index(n)] for n in names]
@@ -142,7 +143,7 @@ def _combine(mods, op, bounds_op, name):
             out = op(out, m(b, h, q_idx, kv_idx, *pick(values, names)))
         return out
 
-    combined.request_params = params
+    combined.request_params = {n: p.dtype for n, p in merged.items()}
     combined.mod_name = f"{name}({', '.join(mod_name(m) for m in mods)})"
     if all(hasattr(m, "kv_bounds") for m in mods):
         def kv_bounds(b, q_lo, q_hi, kv_len, *values):

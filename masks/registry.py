@@ -4,7 +4,10 @@ from __future__ import annotations
 import inspect
 import types
 import weakref
+from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 _MASK_MODS: dict[str, Callable] = {}
 _SCORE_MODS: dict[str, Callable] = {}
@@ -73,14 +76,19 @@ def mod_name(fn: Callable) -> str:
     return getattr(fn, "mod_name", None) or getattr(fn, "__name__", type(fn).__name__)
 
 
-_PARAMS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function → {base_args: names}
+_PARAMS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function → {base_args: {name: dtype}}
+
+# A parameter's annotation → the dtype of its [num_requests] tensor; unannotated means int64. Strings are
+# what `from __future__ import annotations` leaves in the signature.
+PARAM_DTYPES = {int: torch.int64, "int": torch.int64, float: torch.float32, "float": torch.float32}
 
 
-def request_params(fn: Callable, base_args: tuple[str, ...]) -> tuple[str, ...]:
-    """Names of the per-request parameters a mod reads: its arguments after the coordinates.
+def request_params(fn: Callable, base_args: tuple[str, ...]) -> dict[str, torch.dtype]:
+    """The per-request parameters a mod reads (its arguments after the coordinates), each with its dtype.
 
-    `def m(b, h, q_idx, kv_idx, prefix_len)` reads `prefix_len`, a tensor indexed by request `b`.
-    Every step asks, so a plain function's answer is kept.
+    `def m(b, h, q_idx, kv_idx, prefix_len)` reads `prefix_len`, an int64 tensor indexed by request `b`;
+    `def m(score, b, h, q_idx, kv_idx, cap: float)` reads `cap` as float32. Every step asks, so a plain
+    function's answer is kept.
     """
     if not isinstance(fn, types.FunctionType):
         return _request_params(fn, base_args)
@@ -90,15 +98,44 @@ def request_params(fn: Callable, base_args: tuple[str, ...]) -> tuple[str, ...]:
     return known[base_args]
 
 
-def _request_params(fn: Callable, base_args: tuple[str, ...]) -> tuple[str, ...]:
-    declared = getattr(fn, "request_params", None)
+def _request_params(fn: Callable, base_args: tuple[str, ...]) -> dict[str, torch.dtype]:
+    declared = getattr(fn, "request_params", None)  # composed masks declare theirs
     if declared is not None:
-        return tuple(declared)
+        return dict(declared)
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return ()
+        return {}
     if any(p.kind == p.VAR_POSITIONAL for p in params):
-        return ()
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return tuple(names[len(base_args):])
+        return {}
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {p.name: param_dtype(fn, p) for p in named[len(base_args):]}
+
+
+def param_dtype(fn: Callable, param: inspect.Parameter) -> torch.dtype:
+    if param.annotation is param.empty:
+        return torch.int64
+    if param.annotation not in PARAM_DTYPES:
+        raise ValueError(f"{mod_name(fn)}: per-request parameter {param.name!r} is annotated "
+                         f"{getattr(param.annotation, '__name__', param.annotation)!r}; annotate it `int` (int64, "
+                         f"the default) or `float` (float32)")
+    return PARAM_DTYPES[param.annotation]
+
+
+@dataclass(frozen=True)
+class RequestParam:
+    dtype: torch.dtype  # of its [num_requests] tensor
+    mod: str            # the first mod that reads it, for error messages
+
+
+def merge_request_params(mods) -> dict[str, RequestParam]:
+    """The parameters of several (mod, base_args) pairs; a name read with two dtypes is a ValueError, since
+    one tensor (and one compiled kernel) serves every mod that reads it."""
+    merged = {}
+    for fn, base_args in mods:
+        for name, dtype in request_params(fn, base_args).items():
+            seen = merged.setdefault(name, RequestParam(dtype, mod_name(fn)))
+            if seen.dtype != dtype:
+                raise ValueError(f"per-request parameter {name!r} is {seen.dtype} in {seen.mod} but {dtype} in "
+                                 f"{mod_name(fn)}; annotate it the same way in both (`{name}: float` for float32)")
+    return merged

@@ -29,7 +29,7 @@ def test_static_buffer_decode_matches_the_ordinary_step():
     llm.generate(["warm the cache up"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     g = DecodeGraphRunner(r.forward_logits, r.backend, r.mods, max_num_seqs=4, block_size=8,
                           num_blocks=r.num_blocks + 1, table_width=r.table_width, num_kv_heads=r.num_kv_heads,
-                          params=(), scratch_slot=r.num_blocks * 8, device="cpu")
+                          params={}, scratch_slot=r.num_blocks * 8, device="cpu")
     for seqs in ([fake_seq(0, 20, [3, 9, 4]), fake_seq(1, 5, [7]), fake_seq(2, 9, [12, 1])],
                  [fake_seq(3, 1, [5])]):
         with torch.inference_mode():
@@ -210,3 +210,49 @@ def test_compiled_layer_regions_match_eager(num_tokens):
         set_fused_elementwise(False)
     for a, b in zip(got, expected):  # fp32; Inductor reorders the reductions a little
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def per_request_softcap(score, b, h, q_idx, kv_idx, cap: float):
+    return cap[b] * torch.tanh(score / cap[b])
+
+
+def softcap_traffic(caps):
+    """Four short prompts, prefilled together in the first step; every later step is a pure decode."""
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 200 + 1 for j in range(3 + 2 * i)]} for i in range(len(caps))]
+    return prompts, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, attention_params={"cap": c})
+                     for c in caps]
+
+
+def count_graph_passes(runner) -> list:
+    """Wrap the decode-graph runner's two entry points; returns the list each pass appends to."""
+    passes, graphs = [], runner.decode_graphs
+    run, run_next = graphs.run, graphs.run_next
+    graphs.run = lambda *a: passes.append("run") or run(*a)
+    graphs.run_next = lambda *a: passes.append("next") or run_next(*a)
+    return passes
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_float_parameters_run_on_the_decode_graphs_without_recompiles(gpu_shaped_engines, steps):
+    """A score mod reading a per-request `cap: float`: every decode pass goes through the graph runner
+    (four at a time with num_scheduler_steps=4), new values compile nothing, and the tokens are the
+    dense reference backend's."""
+    caps = [[0.05, 0.3, 1.5, 40.0], [0.2, 25.0, 0.08, 2.5]]  # an int64 buffer would truncate most to 0
+    config = dict(score_mod=per_request_softcap, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48,
+                  max_model_len=64)
+    llm = LLM(**config, num_scheduler_steps=steps)
+    runner = llm.llm_engine.runner
+    assert runner.decode_graphs is not None
+    passes = count_graph_passes(runner)
+    before = compile_count()
+    got = [[o.outputs[0].token_ids for o in llm.generate(*softcap_traffic(c), use_tqdm=False)] for c in caps]
+    assert compile_count() == before, "a float parameter compiled a kernel after warm-up"
+    assert len(passes) == 2 * 7, passes  # 7 decode passes per generate, after the prefill step
+    assert passes.count("next") == (2 * 5 if steps == 4 else 0)  # passes of 4 and 3 decodes
+    assert llm.llm_engine.num_free_blocks() == llm.llm_engine.num_total_blocks
+    gpu_shaped_engines()
+    reference = LLM(**config, attention_backend="reference")
+    expected = [[o.outputs[0].token_ids for o in reference.generate(*softcap_traffic(c), use_tqdm=False)]
+                for c in caps]
+    assert got == expected
+    assert got[0] != got[1], "the caps changed nothing: the test would not see them ignored"

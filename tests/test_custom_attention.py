@@ -1,5 +1,7 @@
 """Custom attention from Python, end to end: LLM(mask_mod=..., score_mod=...), per-request parameters,
 and the prefix cache beside masks that look ahead. The dense reference backend is the oracle."""
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -130,15 +132,56 @@ def test_per_request_parameters_match_the_reference_and_are_int64():
     assert step_params(llm, params)["prefix_len"].dtype == torch.int64
 
 
-def test_float_parameters_are_float32():
-    def sharpened(score, b, h, q_idx, kv_idx, sharpness):
-        return score * sharpness[b]
+def sharpened(score, b, h, q_idx, kv_idx, sharpness: float):
+    return score * sharpness[b]
 
+
+def test_float_parameters_are_float32():
     llm = LLM(score_mod=sharpened, **SMALL)
-    got = step_params(llm, [greedy(sharpness=0.5), greedy(sharpness=2)])["sharpness"]  # one dtype per step
+    got = step_params(llm, [greedy(sharpness=0.5), greedy(sharpness=2)])["sharpness"]  # an int converts
     assert got.dtype == torch.float32 and got.tolist() == [0.5, 2.0]
+    assert step_params(llm, [greedy(sharpness=3)])["sharpness"].dtype == torch.float32  # ints alone too
     assert tokens(llm, PROMPTS[:2], [greedy(sharpness=1.0)] * 2) == tokens(LLM(**SMALL), PROMPTS[:2])
     assert tokens(llm, PROMPTS[2:], [greedy(sharpness=5.0)]) != tokens(LLM(**SMALL), PROMPTS[2:])
+
+
+def per_request_softcap(score, b, h, q_idx, kv_idx, cap: float):
+    return cap[b] * torch.tanh(score / cap[b])
+
+
+def test_float_parameters_equal_the_same_values_baked_into_the_mod():
+    """One batch with four caps == each request alone under the built-in softcap(c), c a Python number."""
+    caps = [0.25, 0.5, 1.5, 40.0]  # float32-exact, so both compute the same numbers
+    prompts = PROMPTS + ["Per-request caps"]
+    batched = tokens(LLM(score_mod=per_request_softcap, **SMALL), prompts, [greedy(6, cap=c) for c in caps])
+    alone = [tokens(LLM(score_mod=masks.softcap(c), **SMALL), [p], [greedy(6)])[0] for p, c in zip(prompts, caps)]
+    assert batched == alone
+    assert batched != tokens(LLM(**SMALL), prompts, greedy(6)), "the caps changed nothing"
+
+
+@functools.cache
+def int_and_float_llm():
+    """prefix_len read as int64 by the mask, sharpness as float32 by the score mod."""
+    return LLM(mask_mod="prefix_lm", score_mod=sharpened, **SMALL)
+
+
+int64s = st.integers(-2 ** 63, 2 ** 63 - 1)
+float32_exact = st.one_of(st.integers(-2 ** 24, 2 ** 24), st.floats(width=32, allow_nan=False, allow_infinity=False))
+
+
+@settings(max_examples=200, deadline=None)
+@given(prefix_len=int64s, sharpness=float32_exact)
+def test_declared_dtypes_hold_whatever_the_values(prefix_len, sharpness):
+    """Ints stay exact int64; a float parameter takes ints or floats as float32; a float for an int
+    parameter is refused, naming the parameter and the annotation that would accept it."""
+    llm = int_and_float_llm()
+    values = {"prefix_len": prefix_len, "sharpness": sharpness}
+    llm.llm_engine.validate_attention_params(values)
+    got = step_params(llm, [greedy(**values)])
+    assert got["prefix_len"].dtype == torch.int64 and got["prefix_len"].item() == prefix_len
+    assert got["sharpness"].dtype == torch.float32 and got["sharpness"].item() == sharpness
+    with pytest.raises(ValueError, match="'prefix_len'.*`prefix_len: float`"):
+        llm.llm_engine.validate_attention_params({**values, "prefix_len": float(prefix_len)})
 
 
 def test_missing_or_bad_parameter_is_rejected_before_anything_is_allocated():
@@ -154,6 +197,52 @@ def test_missing_or_bad_parameter_is_rejected_before_anything_is_allocated():
     assert engine.num_free_blocks() == free and not engine.has_unfinished_requests()
     assert len(tokens(llm, PROMPTS[:1], [greedy(5, prefix_len=4)])[0]) == 5  # still works
     assert engine.num_free_blocks() == free
+
+
+def test_a_float_for_an_int_parameter_is_rejected_naming_the_annotation():
+    llm = LLM(mask_mod="prefix_lm", **SMALL)
+    engine = llm.llm_engine
+    free = engine.num_free_blocks()
+    with pytest.raises(ValueError, match=r"'prefix_len'.*int64.*annotate it `prefix_len: float`"):
+        llm.generate(PROMPTS[:2], [greedy(prefix_len=4), greedy(prefix_len=4.0)], use_tqdm=False)
+    assert engine.num_free_blocks() == free and not engine.has_unfinished_requests()
+    assert len(tokens(llm, PROMPTS[:1], [greedy(5, prefix_len=4)])[0]) == 5  # still works
+    assert engine.num_free_blocks() == free
+
+
+def window_mask(b, h, q_idx, kv_idx, window):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < window[b])
+
+
+def window_scaled(score, b, h, q_idx, kv_idx, window: float):
+    return score / window[b]
+
+
+def test_one_parameter_read_with_two_dtypes_is_an_error_naming_both_mods():
+    with pytest.raises(ValueError, match=r"'window' is torch.int64 in window_mask but torch.float32 in window_scaled"):
+        LLM(mask_mod=window_mask, score_mod=window_scaled, **SMALL)
+
+    def float_window_mask(b, h, q_idx, kv_idx, window: float):
+        return q_idx - kv_idx < window[b]
+
+    with pytest.raises(ValueError, match=r"'window' is torch.int64 in window_mask but torch.float32 in float_window"):
+        masks.and_masks(window_mask, float_window_mask)
+    assert masks.request_params(masks.and_masks(window_mask, masks.causal), masks.MASK_ARGS) == {"window": torch.int64}
+
+
+def test_annotations_declare_the_dtype_and_anything_else_is_an_error():
+    # Strings, as `from __future__ import annotations` leaves every annotation.
+    def string_annotated(score, b, h, q_idx, kv_idx, cap: "float", n: "int", m):
+        return score
+
+    assert masks.request_params(string_annotated, masks.SCORE_ARGS) == {"cap": torch.float32, "n": torch.int64,
+                                                                        "m": torch.int64}
+
+    def text_annotated(score, b, h, q_idx, kv_idx, cap: str):
+        return score
+
+    with pytest.raises(ValueError, match=r"text_annotated.*'cap' is annotated 'str'.*`float`"):
+        LLM(score_mod=text_annotated, **SMALL)
 
 
 # ---------------------------------------------------------------- LLM(mask_mod=...) overrides
@@ -229,18 +318,24 @@ def sink_window(b, h, q_idx, kv_idx, window):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_custom_mod_under_cuda_graphs_equals_eager_without_recompiles():
+    """An int parameter (window, read by the mask) and a float one (cap, read by the score mod)."""
     import random
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1, 250) for _ in range(rng.randint(20, 200))]} for _ in range(12)]
-    windows = [[rng.randint(1, 64) for _ in prompts] for _ in range(2)]
-    params = [[greedy(24, window=w) for w in ws] for ws in windows]
-    kw = dict(mask_mod=sink_window, max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=512)
+    values = [[(rng.randint(1, 64), rng.uniform(0.5, 20.0)) for _ in prompts] for _ in range(2)]
+    params = [[greedy(24, window=w, cap=c) for w, c in pairs] for pairs in values]
+    kw = dict(mask_mod=sink_window, score_mod=per_request_softcap, max_num_seqs=16, max_num_batched_tokens=512,
+              num_kv_blocks=512)
     graphed = LLM(**kw)
-    assert graphed.llm_engine.runner.decode_graphs is not None
+    graphs = graphed.llm_engine.runner.decode_graphs
+    assert graphs is not None
+    replays, replay = [], graphs.replay
+    graphs.replay = lambda n: replays.append(n) or replay(n)
     first = tokens(graphed, prompts, params[0])
     before = compile_count()
-    second = tokens(graphed, prompts, params[1])  # other windows: new tensor values, same compiled code
+    second = tokens(graphed, prompts, params[1])  # other values: new tensor contents, same compiled code
     assert compile_count() == before, "changing per-request parameters recompiled"
+    assert replays, "no decode step ran on the CUDA graphs"
     del graphed
     eager = LLM(enforce_eager=True, **kw)
     assert first == tokens(eager, prompts, params[0])

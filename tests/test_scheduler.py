@@ -238,13 +238,14 @@ def test_multi_step_runs_while_the_waiting_cannot_be_admitted_and_for_the_tokens
     assert batch.num_steps == 3 and len(batch.seqs) == 2
 
 
-@pytest.mark.parametrize("params", [dict(logprobs=2), dict(attention_params={"x": 0.5})])
-def test_no_multi_step_where_the_graphs_cannot_serve(params):
+@pytest.mark.parametrize("params, steps", [(dict(logprobs=2), 1), (dict(attention_params={"x": 0.5}), 8)])
+def test_multi_step_only_where_its_sampler_serves(params, steps):
+    """Logprobs need the one-step sampler; float attention parameters run on the graphs like any other."""
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, num_scheduler_steps=8)
     decoding(sched, 5, "a")
     decoding(sched, 5, "b", **params)
-    assert sched.schedule().num_steps == 1
+    assert sched.schedule().num_steps == steps
 
 
 def test_multi_step_needs_spare_pages_and_stops_short_of_max_model_len():

@@ -6,18 +6,15 @@ from collections.abc import Mapping
 
 import torch
 
-from ..masks import (MASK_ARGS, SCORE_ARGS, check_mask_mod, check_score_mod, get_mask_mod, get_score_mod, mod_name,
-                     request_params)
+from ..masks import (MASK_ARGS, SCORE_ARGS, RequestParam, check_mask_mod, check_score_mod, get_mask_mod, get_score_mod,
+                     merge_request_params, mod_name, request_params)
 
 
-def mod_params(mods) -> dict[str, str]:
-    """{per-request parameter: the mod that reads it} over the layers' (mask, score) pairs."""
-    names = {}
-    for mask, score in mods:
-        for fn, base in ((mask, MASK_ARGS), (score, SCORE_ARGS)):
-            for name in request_params(fn, base) if fn is not None else ():
-                names.setdefault(name, mod_name(fn))
-    return names
+def mod_params(mods) -> dict[str, RequestParam]:
+    """{per-request parameter: its dtype and the mod that reads it} over the layers' (mask, score) pairs:
+    one dtype per name for the whole engine, so every step shares one compiled kernel."""
+    return merge_request_params((fn, base) for mask, score in mods
+                                for fn, base in ((mask, MASK_ARGS), (score, SCORE_ARGS)) if fn is not None)
 
 
 def override_targets(layers, spec, what: str) -> dict[int, object]:
@@ -45,7 +42,7 @@ def override_targets(layers, spec, what: str) -> dict[int, object]:
 
 
 def example_params(fn, base_args) -> dict:
-    return {name: torch.ones(1, dtype=torch.long) for name in request_params(fn, base_args)}
+    return {name: torch.ones(1, dtype=dtype) for name, dtype in request_params(fn, base_args).items()}
 
 
 def apply_mod_overrides(layers, mask_spec, score_spec) -> None:

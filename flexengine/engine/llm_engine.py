@@ -154,9 +154,9 @@ class LLMEngine:
         self.validate_attention_params(params.attention_params or {})
 
     def validate_attention_params(self, given: dict) -> None:
-        """Every parameter the layers' mods read, as a number; a key no mod reads is a mistake (a typo
-        would otherwise leave the mod reading 0)."""
-        read = self.runner.param_names  # {name: the mod reading it}
+        """Every parameter the layers' mods read, as a number of its declared dtype; a key no mod reads is a
+        mistake (a typo would otherwise leave the mod reading 0)."""
+        read = self.runner.mod_params  # {name: its dtype and the mod reading it}
         for name, value in given.items():
             if name not in read:
                 raise ValueError(f"attention_params key {name!r} is read by no mod of this model "
@@ -164,9 +164,12 @@ class LLMEngine:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
                     (isinstance(value, int) and not -2 ** 63 <= value < 2 ** 63):
                 raise ValueError(f"attention_params[{name!r}] must be a finite int (int64) or float, got {value!r}")
-        for name, mod in read.items():
+            if isinstance(value, float) and not read[name].dtype.is_floating_point:  # an int for a float converts
+                raise ValueError(f"attention_params[{name!r}] is {value!r}, a float, but mod {read[name].mod} reads "
+                                 f"{name!r} as int64; annotate it `{name}: float` in the mod to read floats")
+        for name, param in read.items():
             if name not in given:
-                raise ValueError(f"mod {mod} reads the per-request parameter {name!r}: pass "
+                raise ValueError(f"mod {param.mod} reads the per-request parameter {name!r}: pass "
                                  f"SamplingParams(attention_params={{{name!r}: ...}})")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,

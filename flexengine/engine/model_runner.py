@@ -23,7 +23,7 @@ from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_L
                       EngineConfig)
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .layer_mods import apply_mod_overrides, mod_params
-from .scheduler import ScheduledBatch, graphs_hold
+from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,7 @@ def text_config(hf_config):
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
-def param_array(values: list) -> np.ndarray:
-    """One dtype per parameter and step: int64 when every value is an int, else float32."""
-    return np.asarray(values, dtype=np.int64 if all(isinstance(v, int) for v in values) else np.float32)
+NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}  # the dtypes a mod's parameter can declare
 
 
 class ModelRunner:
@@ -84,7 +82,7 @@ class ModelRunner:
         self.vocab_size = text_config(self.hf_config).vocab_size
         self.block_size = config.block_size
         self.mods = [(a.mask_mod, a.score_mod) for a in self.layers]
-        self.param_names = mod_params(self.mods)
+        self.mod_params = mod_params(self.mods)  # {name: its dtype, fixed here, and the mod reading it}
         self.backend = get_backend(config.attention_backend, self.mods, self.head_dim, block_size=config.block_size,
                                    dtype=self.dtype)
         self.compiled = wants_compile(self.device, config.enforce_eager)  # fused kernels and CUDA graphs
@@ -252,13 +250,13 @@ class ModelRunner:
     def attention_params(self, seqs: list[Sequence], rows: int = 0) -> dict[str, torch.Tensor]:
         """Per-request mod parameters (SamplingParams.attention_params) as [max(R, rows)] tensors.
 
-        Every parameter a layer's mod reads is present (absent → 0: warm-up, profiling and padding rows);
-        a name is int64 when all its values in the step are ints, else float32.
+        Every parameter a layer's mod reads is present (absent → 0: warm-up, profiling and padding rows),
+        in the dtype its mod declares, so every step (and the warm-up) meets the same compiled kernel.
         """
         given = [(s.params.attention_params or {}) if s.params is not None else {} for s in seqs]
-        names = sorted(set(self.param_names).union(*given))
         pad = [0] * max(0, rows - len(seqs))
-        return {name: self.to_device(param_array([g.get(name, 0) for g in given] + pad)) for name in names}
+        return {name: self.to_device(np.asarray([g.get(name, 0) for g in given] + pad, dtype=NUMPY_DTYPES[p.dtype]))
+                for name, p in sorted(self.mod_params.items())}
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]
@@ -290,7 +288,7 @@ class ModelRunner:
 
     def capture_decode_graphs(self):
         from ..compile.cuda_graphs import DecodeGraphRunner
-        params = tuple(sorted(self.param_names))
+        params = {name: p.dtype for name, p in sorted(self.mod_params.items())}
         graphs = DecodeGraphRunner(
             self.forward_logits, self.backend, self.mods, max_num_seqs=self.config.max_num_seqs,
             block_size=self.block_size, num_blocks=self.num_blocks + 1, table_width=self.table_width,
@@ -320,7 +318,7 @@ class ModelRunner:
     def decode_with_graphs(self, batch: ScheduledBatch) -> bool:
         g = self.decode_graphs
         return (g is not None and all(n == 1 for n in batch.num_new_tokens)
-                and all(s.num_computed_tokens == s.num_tokens - 1 and graphs_hold(s.params) for s in batch.seqs)
+                and all(s.num_computed_tokens == s.num_tokens - 1 for s in batch.seqs)
                 and g.bucket_for(len(batch.seqs)) is not None)
 
     @torch.inference_mode()

@@ -18,14 +18,9 @@ from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
-def graphs_hold(params) -> bool:
-    """The decode CUDA graphs hold per-request mod parameters as int64: a float one takes the ordinary path."""
-    return not any(isinstance(v, float) for v in (params.attention_params or {}).values())
-
-
 def multi_step_ok(params) -> bool:
-    """Multi-step decode runs on the CUDA graphs alone, and its sampler returns no logprobs."""
-    return params.logprobs is None and graphs_hold(params)
+    """Multi-step decode's sampler returns no logprobs."""
+    return params.logprobs is None
 
 
 def tokens_wanted(seq: Sequence) -> float:
