@@ -32,14 +32,18 @@ def shape_classes(runner) -> int:
     return (len(prefill_buckets(runner)) + len(decode_buckets(runner.config.max_num_seqs))) * len(set(runner.mods))
 
 
-def dummy_step(runner, num_seqs: int, tokens_each: int) -> None:
+def dummy_step(runner, num_seqs: int, tokens_each: int, cached: int = 0) -> None:
+    """One step of `num_seqs` requests computing `tokens_each` tokens after `cached` ones."""
     from ..engine.scheduler import ScheduledBatch
     from ..engine.sequence import Sequence
+    n = cached + tokens_each
+    pages = -(-n // runner.block_size)
     seqs = []
     for i in range(num_seqs):
-        seq = Sequence(request_id="warmup", index=0, token_ids=[0] * tokens_each, num_prompt_tokens=tokens_each,
-                       params=None)
-        seq.block_table = [i % runner.num_blocks]  # dummies may share pages: a bucket can outnumber them
+        seq = Sequence(request_id="warmup", index=0, token_ids=[0] * n, num_prompt_tokens=n, params=None)
+        seq.num_computed_tokens = cached
+        # dummies may share pages: a bucket can outnumber them
+        seq.block_table = [(i * pages + j) % runner.num_blocks for j in range(pages)]
         seqs.append(seq)
     with torch.inference_mode():
         inputs = runner.prepare_step(ScheduledBatch(seqs, [tokens_each] * num_seqs), sampling=False)
@@ -54,6 +58,20 @@ def warm_up_steps(runner, decode: bool = False) -> float:
     if decode:
         for b in decode_buckets(runner.config.max_num_seqs):
             dummy_step(runner, b, 1)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - start
+
+
+def warm_up_unpadded(runner) -> float:
+    """Steps of unpadded shapes (the flash backend): the compiled layer regions specialise a one-token
+    step and compile once for any longer one; the paged flash kernel compiles (JIT) once per mask.
+    Returns the seconds."""
+    start = time.perf_counter()
+    dummy_step(runner, 1, 1)              # T = 1
+    dummy_step(runner, 2, 2)              # T >= 2, whole prompts (no paging)
+    dummy_step(runner, 3, 1, cached=1)    # decode rows over a cached prefix: the paged kernel
+    dummy_step(runner, 1, 5, cached=3)    # a chunk over a cached prefix
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start

@@ -9,3 +9,29 @@ def fresh_dynamo_for_gpu_tests(request):
     if request.node.get_closest_marker("gpu") is not None:
         torch._dynamo.reset()
     yield
+
+
+@pytest.fixture
+def gpu_shaped_engines(monkeypatch):
+    """Engines built from here on take the CUDA engine's path on CPU (buckets, padding, warm-up, the
+    decode-graph runner run eagerly), compiled by dynamo's `eager` backend, whose guards are the ones
+    a GPU build has. Dynamo starts empty, so a test sees its own engine's compiles. Yields the undo."""
+    from flexengine.attention.backends import flex
+    from flexengine.compile import reset_fused
+    from flexengine.engine import model_runner
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    monkeypatch.setattr(model_runner, "wants_compile", lambda device, enforce_eager: not enforce_eager)
+    monkeypatch.setattr(flex.FlexBackend, "compiled", lambda self, device: True)
+    flex._compiled_flex.cache_clear()
+    reset_fused()
+    torch._dynamo.reset()
+
+    def undo():
+        monkeypatch.undo()
+        flex._compiled_flex.cache_clear()
+        reset_fused()
+
+    yield undo
+    undo()

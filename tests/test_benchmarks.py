@@ -102,9 +102,9 @@ def test_compare_transformers_table(tiny_hf_checkpoint, capsys, tmp_path):
                               "--batch1-output-len", "4", "--batch1-iters", "1", *TINY, "--json-out", str(out_json)])
     assert compare_transformers.main(args) == 0
     out = capsys.readouterr().out
-    number(rf"^\| flexengine \(eager\) \| 4 \| {NUM} \| {NUM} \|$", out)
+    number(rf"^\| flexengine \(flex, eager\) \| 4 \| {NUM} \| {NUM} \|$", out)
     for engine in ("transformers generate, dynamic cache", "transformers generate, static cache",
-                   r"flexengine \(eager\)"):
+                   r"flexengine \(flex, eager\)"):
         number(rf"^\| {engine} \| {NUM} \|$", out)
     result = json.loads(out_json.read_text())
     assert result["weight_bytes"] == hf_bytes  # the tied embedding counted once, as transformers counts it

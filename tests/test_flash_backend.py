@@ -17,7 +17,8 @@ import torch
 from attention_reference import make_paged_batch
 from flexengine import masks
 from flexengine.attention import paged_attention
-from flexengine.attention.backends import flash, get_backend
+from flexengine import LLM, SamplingParams
+from flexengine.attention.backends import decode_graph_backend, flash, get_backend
 from flexengine.attention.backends.flex import FlexBackend
 from flexengine.attention.backends.reference import ReferenceBackend
 from flexengine.attention.metadata import build_metadata, plan_layout
@@ -289,6 +290,53 @@ def test_forward_refuses_float32(providers):
     backend = get_backend("flash", CAUSAL, head_dim=64)
     with pytest.raises(ValueError, match="float16 or bfloat16, got torch.float32"):
         run(backend, make_step([9], [1], 16, dtype=torch.float32), masks.causal, None)
+
+
+# ---------------------------------------------------------------- in the engine
+def test_decode_graph_backend_keeps_explicit_choices(providers):
+    providers("FA4")
+    auto = get_backend(None, CAUSAL, head_dim=64)
+    assert auto.name == "flash"
+    assert decode_graph_backend(auto, None, graphs=True).name == "flex"
+    assert decode_graph_backend(auto, None, graphs=False) is auto
+    explicit = get_backend("flash", CAUSAL, head_dim=64)
+    assert decode_graph_backend(explicit, "flash", graphs=True) is explicit
+
+
+def tiny_llama_head_32(path) -> str:
+    """A random 2-layer Llama with head size 32, one FlashAttention takes (the embedded model's is 16)."""
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                      max_position_embeddings=256, initializer_range=0.1, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM._from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def test_auto_engine_runs_prompts_on_flash_and_decode_on_flex_graphs(providers, gpu_shaped_engines, tmp_path):
+    """With graphs and a provider, auto gives the steps with prompt tokens to flash and replays pure
+    decode steps with flex; the tokens are the dense reference backend's. The engine takes its CUDA
+    path on CPU (gpu_shaped_engines) with a fake FA4 that computes paged attention plainly."""
+    providers("FA4")
+    config = dict(model=tiny_llama_head_32(tmp_path), dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=24, num_kv_blocks=48, max_model_len=64)
+    prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 250 + 1 for j in range(n)]} for i, n in enumerate([9, 30, 3])]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(**config)
+    runner = llm.llm_engine.runner
+    assert (runner.backend.name, runner.decode_backend.name) == ("flash", "flex") and runner.decode_graphs
+    decode_passes = []
+    run = runner.decode_graphs.run
+    runner.decode_graphs.run = lambda *a: decode_passes.append(len(a[0])) or run(*a)
+    CALLS.clear()
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert any(label == "FA4" for label, _ in CALLS), "no step used the paged flash kernel"
+    assert decode_passes, "no decode step replayed the flex graphs"
+    reference = LLM(**config, attention_backend="reference")
+    assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    explicit = LLM(**config, attention_backend="flash").llm_engine.runner
+    assert explicit.decode_graphs is None and explicit.decode_backend is explicit.backend
 
 
 # ---------------------------------------------------------------- the real kernels

@@ -39,6 +39,19 @@ def engine_kwargs(args) -> dict:
     return kwargs
 
 
+def engine_mode(llm) -> str:
+    """How the engine runs its steps, for the report: "flex, graphs", "flex, eager", "flash, no graphs",
+    "flash + flex graphs" (flash for steps with prompts, flex graphs for decode)."""
+    runner = llm.llm_engine.runner
+    if not runner.compiled:
+        return f"{runner.backend.name}, eager"
+    if runner.decode_graphs is None:
+        return f"{runner.backend.name}, no graphs"
+    if runner.decode_backend is runner.backend:
+        return f"{runner.backend.name}, graphs"
+    return f"{runner.backend.name} + {runner.decode_backend.name} graphs"
+
+
 def sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()

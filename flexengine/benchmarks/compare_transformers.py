@@ -22,6 +22,7 @@ import torch
 import torch._dynamo
 
 from .common import (HBM_BYTES_PER_S, add_engine_arguments, build_llm, check_lengths, decode_ms_per_token, device_name,
+                     engine_mode,
                      engine_model, generate_fixed, random_prompts, timed, warm_up, weight_bytes, write_json)
 from .latency import measure_decode
 
@@ -150,7 +151,7 @@ def flexengine_rows(args, prompts: list[list[int]]) -> tuple[dict, dict | None, 
     llm, build_s = build_llm(args)
     warm_s = warm_up(llm, args.input_len, args.seed)
     seconds = generate_fixed(llm, prompts, args.output_len, args.temperature)
-    mode = "eager" if args.enforce_eager else "graphs"
+    mode = engine_mode(llm)
     row = dict(engine=f"flexengine ({mode})", prompts=len(prompts), seconds=seconds, cold_start_s=build_s + warm_s)
     b1 = None
     if args.batch1:

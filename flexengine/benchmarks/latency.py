@@ -15,7 +15,7 @@ import statistics
 
 import numpy as np
 
-from .common import (HBM_BYTES_PER_S, add_engine_arguments, build_llm, decode_ms_per_token, device_name,
+from .common import (HBM_BYTES_PER_S, add_engine_arguments, build_llm, decode_ms_per_token, device_name, engine_mode,
                      engine_model, generate_fixed, random_prompts, warm_up, weight_bytes, write_json)
 
 
@@ -60,7 +60,7 @@ def main(args) -> int:
                        args.num_iters_warmup, args.temperature, args.seed)
     nbytes, floor = floor_ms(llm, args.hbm_bandwidth)
     full = np.array(m["full_s"])
-    mode = "eager" if args.enforce_eager else "graphs"
+    mode = engine_mode(llm)
     print(f"# flexengine latency | {device_name()} | {args.model or 'embedded default model'} | {mode} | "
           f"batch {args.batch_size} x {args.input_len} in x {args.output_len} out | {args.num_iters} iters")
     print(f"Avg latency: {full.mean():.4f} seconds")

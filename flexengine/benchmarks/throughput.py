@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import (add_engine_arguments, build_llm, compiled_graphs, device_name, generate_fixed,
+from .common import (add_engine_arguments, build_llm, compiled_graphs, device_name, engine_mode, generate_fixed,
                      random_prompts, warm_up, write_json)
 
 
@@ -32,7 +32,7 @@ def main(args) -> int:
 
     output_tokens = args.num_prompts * args.output_len
     total_tokens = args.num_prompts * (args.input_len + args.output_len)
-    mode = "eager" if args.enforce_eager else "graphs"
+    mode = engine_mode(llm)
     print(f"# flexengine throughput | {device_name()} | {args.model or 'embedded default model'} | {mode} | "
           f"{args.num_prompts} prompts x {args.input_len} in x {args.output_len} out | {elapsed:.2f} s")
     print(f"Throughput: {args.num_prompts / elapsed:.2f} requests/s, {total_tokens / elapsed:.2f} total tokens/s, "

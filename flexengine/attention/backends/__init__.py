@@ -50,3 +50,13 @@ def get_backend(name: str | None = None, mods=(), head_dim: int | None = None, b
 def default_flex() -> FlexBackend:
     """One shared instance, so each mod is checked once per process, not once per call."""
     return FlexBackend()
+
+
+def decode_graph_backend(backend, name: str | None, graphs: bool):
+    """The backend the decode CUDA graphs replay. The flash backend runs outside graphs, so where auto
+    chose it for an engine with graphs, flex serves the pure decode steps (replayed) and flash the
+    steps that carry prompt tokens: on the H100 flash alone, launched eagerly every step, gave a
+    quarter of the throughput of flex replayed (docs/benchmarks.md). An explicit choice is kept."""
+    if graphs and backend.name == "flash" and resolve_backend_name(name)[0] == "auto":
+        return default_flex()
+    return backend
