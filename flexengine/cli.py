@@ -21,9 +21,17 @@ BENCH_COMMANDS = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None (there the help says what None means)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add(sub, name, module, help_text, chosen: bool):
-    parser = sub.add_parser(name, help=help_text, description=help_text,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
     if chosen:  # import only the module that runs, so `flexengine generate` never pays for the server
         mod = importlib.import_module(module)
         mod.add_arguments(parser)

@@ -6,7 +6,7 @@
 # generate_batch, 256 x 256 x 256), throughput, latency (batch 1), eager (throughput and latency with
 # --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py), fa4 (install the
 # carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages still run
-# without it), flash (throughput and latency with FA4 on the path, --attention-backend auto, then flash). The
+# without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto, flash). The
 # end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR.
 set -u
@@ -59,7 +59,7 @@ for stage in ${*:-tests attention compare latency}; do
     fa4) step fa4 200 bash scripts/fa4_install.sh python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short \
            tests/test_flash_backend.py && FA4_PATH=$FA4_SITE_PATH ;;
     flash) if [[ -z $FA4_PATH ]]; then STATUS+=("flash: SKIPPED (no working FA4; run the fa4 stage first)"); else
-             for backend in auto flash; do  # auto: flash for steps with prompts, flex graphs for decode
+             for backend in flex auto flash; do  # auto: flash for steps with prompts, flex graphs for decode
                left=$(( BUDGET - ($(date +%s) - START) ))
                step "fa4_$backend" "$left" env PYTHONPATH="$FA4_PATH" OUT="$OUT/fa4_$backend" STEPS="throughput latency" \
                  BUDGET="$left" ENGINE_ARGS="${ENGINE_ARGS:-} --attention-backend $backend" bash scripts/e2e_bench.sh

@@ -32,7 +32,7 @@ def step_kinds(llm, prompts, output_len: int) -> None:
     for i, p in enumerate(prompts):
         engine.add_request(f"w{i}", {"prompt_token_ids": p},
                            SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0), final_only=True)
-    kinds = collections.defaultdict(lambda: [0, 0.0, 0])  # kind -> [steps, seconds, tokens]
+    kinds = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])  # kind -> [steps, seconds, tokens, slowest]
     schedule = engine.scheduler.schedule
     last = {}
 
@@ -53,15 +53,17 @@ def step_kinds(llm, prompts, output_len: int) -> None:
         row[0] += 1
         row[1] += time.perf_counter() - t
         row[2] += sum(batch.num_new_tokens)
+        row[3] = max(row[3], time.perf_counter() - t)
     total = time.perf_counter() - start
     engine.scheduler.schedule = schedule
     print(f"# {len(prompts)} prompts: {total:.2f} s, {len(prompts) * output_len / total:.0f} output tok/s, "
           f"{compile_count() - before} graphs compiled during the run")
-    print("| step kind | steps | ms per step | share of time | tokens per step |")
-    print("|---|---|---|---|---|")
+    print("| step kind | steps | ms per step | slowest ms | share of time | tokens per step |")
+    print("|---|---|---|---|---|---|")
     for kind in sorted(kinds):
-        steps, secs, toks = kinds[kind]
-        print(f"| {kind} | {steps} | {secs / steps * 1e3:.2f} | {secs / total:.0%} | {toks / steps:.0f} |")
+        steps, secs, toks, slowest = kinds[kind]
+        print(f"| {kind} | {steps} | {secs / steps * 1e3:.2f} | {slowest * 1e3:.1f} | {secs / total:.0%} | "
+              f"{toks / steps:.0f} |")
 
 
 def profile_decode(llm, batch: int, input_len: int, steps: int = 8) -> None:
@@ -110,7 +112,9 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "auto")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"# engine built in {time.perf_counter() - start:.1f} s on {device}")
+    runner = llm.llm_engine.runner
+    print(f"# engine built in {time.perf_counter() - start:.1f} s on {device}; attention {runner.backend.name}, "
+          f"decode graphs {runner.decode_backend.name if runner.decode_graphs else 'off'}")
     llm.generate(as_requests(random_prompts(4, args.input_len, llm.llm_engine.vocab_size, 1)),
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     step_kinds(llm, random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, 0), args.output_len)

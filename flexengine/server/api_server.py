@@ -227,29 +227,35 @@ ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "num_kv_blocks", "max_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="model directory or hub id (default: the embedded tiny model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 listens on every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 (also FLEXENGINE_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="requests allowed to wait beyond --max-num-seqs; past that the server answers 429")
     parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's access and error log level")
     engine = parser.add_argument_group("engine (unset → EngineConfig's default)")
-    engine.add_argument("--dtype", default=None)
-    engine.add_argument("--device", default=None)
-    engine.add_argument("--block-size", type=int, default=None)
-    engine.add_argument("--num-kv-blocks", type=int, default=None)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=None)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=None)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    engine.add_argument("--attention-backend", default=None, choices=["flex", "flash", "reference", "auto"])
+    engine.add_argument("--dtype", default=None, help="weights and KV dtype: auto, float32, bfloat16, float16")
+    engine.add_argument("--device", default=None, help="auto (cuda if available), cpu, cuda, cuda:N")
+    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV cache page (default 16)")
+    engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pages (default: sized from memory)")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output per request (default: the model's, capped)")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step (default 256)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one engine step, chunked prefill (default 2048)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="fraction of GPU memory for weights, activations and KV cache (default 0.9)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="share KV pages of common prompt prefixes (default on; off for look-ahead masks)")
+    engine.add_argument("--attention-backend", default=None, choices=["flex", "flash", "reference", "auto"],
+                        help="attention backend (default: FLEXENGINE_ATTENTION_BACKEND, else auto)")
     engine.add_argument("--enforce-eager", action="store_true", default=None,
                         help="no CUDA graphs, no compiled layers (FlexAttention stays compiled on a GPU)")
-    engine.add_argument("--seed", type=int, default=None)
+    engine.add_argument("--seed", type=int, default=None, help="engine seed for sampling (default 0)")
     engine.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="decode steps per schedule, fed on the device (CUDA graphs only; default 1)")
 
