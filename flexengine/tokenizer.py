@@ -20,6 +20,24 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
+def backend_decoder(tokenizer, skip_special_tokens: bool):
+    """ids → text, exactly as `tokenizer.decode(ids, skip_special_tokens=...)`.
+
+    For a fast tokenizer whose Python side changes nothing (the base class's decode, no space
+    clean-up) this calls the Rust backend directly: transformers' decode wraps it in several
+    microseconds of argument conversion, and a streamed token takes two decodes.
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is PreTrainedTokenizerFast._decode and not tokenizer.clean_up_tokenization_spaces):
+        backend = tokenizer._tokenizer.decode
+        return lambda ids: backend(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Feed generated token ids one at a time; `add` returns the new text they complete.
 
@@ -31,25 +49,30 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self._decode = backend_decoder(tokenizer, skip_special_tokens)  # ids -> text
         self.ids = [int(t) for t in prompt_ids]
         self.read_offset = len(self.ids)
         self.prefix_offset = self._clean_start(max(len(self.ids) - 5, 0), self.read_offset)
         self.text = ""
 
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
     def _clean_start(self, start: int, end: int) -> int:
-        """`start`, moved back until ids[start:end] does not begin inside a character."""
-        while start > 0 and self._decode(self.ids[start:end]).startswith("\ufffd"):
+        """`start`, moved back until ids[start:end] does not begin inside a character. Keeps the text
+        of ids[start:end] (ids only grow, so a range keeps its text), the next window's prefix, so `add`
+        decodes it once, not twice."""
+        text = self._decode(self.ids[start:end])
+        while start > 0 and text.startswith("\ufffd"):
             start -= 1
+            text = self._decode(self.ids[start:end])
+        self._prefix = (start, end, text)
         return start
 
     def _window(self, end: int) -> tuple[str, str]:
         """(text already read, text up to ids[end]) of the window: the new text is what the second
         adds. A prompt may end inside a character; its broken tail belongs to the text still to come."""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset]).rstrip("\ufffd")
-        return prefix, self._decode(self.ids[self.prefix_offset:end])
+        start, stop, text = self._prefix
+        if (start, stop) != (self.prefix_offset, self.read_offset):
+            text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        return text.rstrip("\ufffd"), self._decode(self.ids[self.prefix_offset:end])
 
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))

@@ -316,3 +316,111 @@ def test_load_limit_answers_429(servers):
     assert rejected == statuses.count(429)
     ok = httpx.post(limited + "/v1/completions", json={**body, "max_tokens": 2}, headers=headers)
     assert ok.status_code == 200  # the limit is about load, not a broken server
+
+
+# ---- stream chunks without a server: the fast serializer and coalesced outputs ---------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from flexengine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from flexengine.server import protocol, responses  # noqa: E402
+from flexengine.server.async_engine import RequestGroup  # noqa: E402
+
+REASONS = st.sampled_from([None, "stop", "length", "abort"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(request_id=st.text(), model=st.text(), index=st.integers(0, 1 << 20), text=st.text(), reason=REASONS)
+def test_text_chunks_are_the_pydantic_models_json(request_id, model, index, text, reason):
+    """The per-token template is byte for byte what the response models write (any unicode, quotes,
+    control characters, in the id and model name too)."""
+    completion = responses.CompletionWriter(request_id, model, 1, None, None)
+    expected = protocol.CompletionResponse(
+        id=request_id, created=completion.created, model=model,
+        choices=[protocol.CompletionChoice(index=index, text=text, finish_reason=reason)])
+    assert completion.text_chunk(index, text, reason) == expected.model_dump_json()
+    chat = responses.ChatWriter(request_id, model, 1, 0, None)
+    expected = protocol.ChatCompletionChunk(
+        id=request_id, created=chat.created, model=model,
+        choices=[protocol.ChatStreamChoice(index=index, delta=protocol.DeltaMessage(content=text),
+                                           finish_reason=reason)])
+    assert chat.text_chunk(index, text, reason) == expected.model_dump_json()
+
+
+def cumulative_outputs(rid: str, texts: list[str], reason: str, logprobs: bool) -> list[RequestOutput]:
+    """What the engine reports for one request, one token (and its text) per step."""
+    outputs = []
+    for step in range(1, len(texts) + 1):
+        ids = list(range(100, 100 + step))
+        lps = [{t: Logprob(-0.5, 1, f"<{t}>")} for t in ids] if logprobs else None
+        done = step == len(texts)
+        outputs.append(RequestOutput(rid, None, [1, 2], [CompletionOutput(
+            0, "".join(texts[:step]), ids, logprobs=lps, finish_reason=reason if done else None)], done))
+    return outputs
+
+
+async def stream_chunks(writer, outputs: list[RequestOutput], batches: list[int]) -> list[dict]:
+    """Stream `outputs` through a RequestGroup, putting `batches[i]` of them in its queue at a time
+    (the handler coalesces what waits there); the parsed chunks."""
+    import json
+    group = RequestGroup(None, ["r"])
+    chunks = []
+
+    async def produce():
+        i = 0
+        for size in batches:
+            for output in outputs[i:i + size]:
+                group.queue.put_nowait(("r", output))
+            i += size
+            await asyncio.sleep(0)
+        for output in outputs[i:]:
+            group.queue.put_nowait(("r", output))
+
+    producer = asyncio.create_task(produce())
+    async for chunk in writer.stream(group.outputs(), include_usage=True):
+        chunks.append(json.loads(chunk))
+    await producer
+    return chunks
+
+
+@settings(max_examples=100, deadline=None)
+@given(texts=st.lists(st.text(max_size=3), min_size=1, max_size=12), reason=st.sampled_from(["stop", "length"]),
+       batches=st.lists(st.integers(1, 5), max_size=12), chat=st.booleans(), logprobs=st.booleans())
+def test_coalesced_deltas_add_up_to_the_token_by_token_stream(texts, reason, batches, chat, logprobs):
+    """Outputs that queue up are sent as one delta: the text, the logprob tokens, the finish reason and
+    the usage chunk (last) are those of the stream sent one output at a time."""
+    outputs = cumulative_outputs("r", texts, reason, logprobs)
+
+    def writer():
+        if chat:
+            return responses.ChatWriter("chatcmpl-x", "m", 1, 1, None)
+        return responses.CompletionWriter("cmpl-x", "m", 1, 1 if logprobs else None, None)
+
+    one_by_one = asyncio.run(stream_chunks(writer(), outputs, [1] * len(outputs)))
+    coalesced = asyncio.run(stream_chunks(writer(), outputs, batches))
+
+    def summary(chunks):
+        body = [c["choices"][0] for c in chunks if c["choices"]]
+        if chat:
+            body = body[1:]  # the role chunk
+            text = "".join(c["delta"]["content"] for c in body)
+            tokens = [t["token"] for c in body if c["logprobs"] for t in c["logprobs"]["content"]]
+        else:
+            text = "".join(c["text"] for c in body)
+            tokens = [t for c in body if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        return text, tokens, body[-1]["finish_reason"], chunks[-1]
+
+    text, tokens, finish, usage = summary(coalesced)
+    assert (text, tokens, finish, usage) == summary(one_by_one)
+    assert text == "".join(texts) and finish == reason
+    assert len(tokens) == (len(texts) if logprobs else 0)
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(texts)
+    assert [c["finish_reason"] for c in (c["choices"][0] for c in coalesced[:-1] if c["choices"])].count(reason) == 1
+    assert len(coalesced) <= len(one_by_one)
+
+
+def test_queued_outputs_are_coalesced():
+    outputs = cumulative_outputs("r", ["a", "b", "c", "d"], "length", False)
+    chunks = asyncio.run(stream_chunks(responses.CompletionWriter("cmpl-x", "m", 1, None, None), outputs, [3]))
+    assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == ["abc", "d"]

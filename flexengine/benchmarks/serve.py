@@ -12,6 +12,7 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -99,19 +100,81 @@ def is_token_chunk(choice: dict) -> bool:
     return True
 
 
-async def send_request(client, url: str, headers: dict, payload: dict, prompt_len: int) -> RequestResult:
+@dataclass
+class Endpoint:
+    host: str
+    port: int
+    path: str
+    tls: bool
+
+
+def parse_endpoint(url: str) -> Endpoint:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise SystemExit(f"--base-url must be http:// or https://host[:port], got {url!r}")
+    tls = parts.scheme == "https"
+    return Endpoint(parts.hostname, parts.port or (443 if tls else 80), parts.path or "/", tls)
+
+
+def request_bytes(ep: Endpoint, headers: dict, payload: dict) -> bytes:
+    body = json.dumps(payload).encode()
+    lines = [f"POST {ep.path} HTTP/1.1", f"Host: {ep.host}:{ep.port}", "Content-Type: application/json",
+             f"Content-Length: {len(body)}", "Accept: text/event-stream", "Connection: close",
+             *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """(status, lower-cased headers) of an HTTP/1.1 response."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    status = int(head[0].split(" ", 2)[1])
+    headers = dict(line.split(":", 1) for line in head[1:] if ":" in line)
+    return status, {k.strip().lower(): v.strip() for k, v in headers.items()}
+
+
+async def body_parts(reader: asyncio.StreamReader, headers: dict[str, str]):
+    """The response body as it arrives: chunked, sized, or up to the end of the connection."""
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+            yield (await reader.readexactly(size + 2))[:-2]
+        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+            pass
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        yield await reader.read()
+
+
+async def sse_data(parts):
+    """The `data:` payload of each server-sent event, as bytes, as soon as its event is complete."""
+    buffer = b""
+    async for part in parts:
+        buffer += part
+        *events, buffer = buffer.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+
+
+async def send_request(ep: Endpoint, headers: dict, payload: dict, prompt_len: int) -> RequestResult:
+    """One streamed request over its own connection. A plain asyncio client: the benchmark must absorb
+    every token of a fast server, and httpx's per-chunk cost made the client the bottleneck."""
     result = RequestResult(prompt_len=prompt_len)
     start = last = time.perf_counter()
     num_chunks = 0
-    async with client.stream("POST", url, json=payload, headers=headers) as response:
-        if response.status_code != 200:
-            result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:500]}"
+    reader, writer = await asyncio.open_connection(ep.host, ep.port, ssl=True if ep.tls else None,
+                                                   limit=1 << 20)
+    try:
+        writer.write(request_bytes(ep, headers, payload))
+        status, response_headers = await read_head(reader)
+        parts = body_parts(reader, response_headers)
+        if status != 200:
+            body = b"".join([part async for part in parts])
+            result.error = f"HTTP {status}: {body.decode(errors='replace')[:500]}"
             return result
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
-            if data == "[DONE]":
+        async for data in sse_data(parts):
+            if data == b"[DONE]":
                 break
             chunk = json.loads(data)
             now = time.perf_counter()
@@ -126,6 +189,8 @@ async def send_request(client, url: str, headers: dict, payload: dict, prompt_le
                     result.itl.append(now - last)
                 last = now
                 num_chunks += 1
+    finally:
+        writer.close()
     result.latency = time.perf_counter() - start
     result.output_tokens = result.output_tokens or num_chunks
     result.success = num_chunks > 0
@@ -142,49 +207,48 @@ async def arrivals(count: int, rate: float, rng: random.Random):
             await asyncio.sleep(rng.expovariate(rate))
 
 
-async def run_benchmark(args) -> dict:
+def served_model(base: str, headers: dict) -> str:
     import httpx
+    listed = httpx.get(base + "/v1/models", headers=headers, trust_env=False, timeout=60)
+    listed.raise_for_status()
+    return listed.json()["data"][0]["id"]
 
+
+async def run_benchmark(args) -> dict:
     base = args.base_url.rstrip("/")
+    ep = parse_endpoint(base + args.endpoint)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     chat = args.endpoint.endswith("chat/completions")
     requests = random_requests(args)
-    limits = httpx.Limits(max_connections=args.max_concurrency or max(args.num_prompts, 1))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600), limits=limits, trust_env=False) as client:
-        model = args.model
-        if model is None:
-            listed = await client.get(base + "/v1/models", headers=headers)
-            listed.raise_for_status()
-            model = listed.json()["data"][0]["id"]
-        print(f"Starting initial single prompt test run against {base}{args.endpoint} (model {model})...")
-        probe = await send_request(client, base + args.endpoint, headers,
-                                   payload_for(requests[0], model, chat), requests[0].prompt_len)
-        if not probe.success:
-            raise SystemExit(f"initial test run failed: {probe.error}")
-        print(f"Initial test run completed. Starting main benchmark run: {args.num_prompts} prompts, "
-              f"request rate {args.request_rate}, max concurrency {args.max_concurrency}")
+    model = args.model or served_model(base, headers)
+    print(f"Starting initial single prompt test run against {base}{args.endpoint} (model {model})...")
+    probe = await send_request(ep, headers, payload_for(requests[0], model, chat), requests[0].prompt_len)
+    if not probe.success:
+        raise SystemExit(f"initial test run failed: {probe.error}")
+    print(f"Initial test run completed. Starting main benchmark run: {args.num_prompts} prompts, "
+          f"request rate {args.request_rate}, max concurrency {args.max_concurrency}")
 
-        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
-        async def send(req: BenchRequest) -> RequestResult:
-            try:
-                return await send_request(client, base + args.endpoint, headers, payload_for(req, model, chat),
-                                          req.prompt_len)
-            except httpx.HTTPError as e:  # counted as a failed request and printed, as vLLM does
-                return RequestResult(prompt_len=req.prompt_len, error=f"{type(e).__name__}: {e}")
+    async def send(req: BenchRequest) -> RequestResult:
+        try:
+            return await send_request(ep, headers, payload_for(req, model, chat), req.prompt_len)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
+            # A refused or broken connection, a malformed response: a failed request, printed, as vLLM does.
+            return RequestResult(prompt_len=req.prompt_len, error=f"{type(e).__name__}: {e}")
 
-        async def one(req: BenchRequest) -> RequestResult:
-            if semaphore is None:
-                return await send(req)
-            async with semaphore:
-                return await send(req)
+    async def one(req: BenchRequest) -> RequestResult:
+        if semaphore is None:
+            return await send(req)
+        async with semaphore:
+            return await send(req)
 
-        start = time.perf_counter()
-        tasks = []
-        async for i in arrivals(len(requests), args.request_rate, random.Random(args.seed + 1)):
-            tasks.append(asyncio.create_task(one(requests[i])))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    start = time.perf_counter()
+    tasks = []
+    async for i in arrivals(len(requests), args.request_rate, random.Random(args.seed + 1)):
+        tasks.append(asyncio.create_task(one(requests[i])))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
     return summarize(results, duration, args)
 
 

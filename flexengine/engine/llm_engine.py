@@ -245,9 +245,12 @@ class LLMEngine:
         return self._outputs(progressed)
 
     def _outputs(self, progressed: dict[str, Request]) -> list[RequestOutput]:
-        outputs = [self._make_output(r) for r in progressed.values() if r.finished or not r.final_only]
+        outputs = []
         for r in progressed.values():
-            if r.finished:
+            finished = r.finished  # once: a streamed request is checked every step
+            if finished or not r.final_only:
+                outputs.append(self._make_output(r, finished))
+            if finished:
                 del self.requests[r.request_id]
         return outputs
 
@@ -303,7 +306,7 @@ class LLMEngine:
     def _decode_one(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
 
-    def _make_output(self, request: Request) -> RequestOutput:
+    def _make_output(self, request: Request, finished: bool) -> RequestOutput:
         completions = []
         for seq in request.seqs:
             text = seq.text
@@ -312,11 +315,11 @@ class LLMEngine:
                 hold = max(len(s) for s in seq.params.stop) - 1
                 text = text[:max(0, len(text) - hold)]
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=text, token_ids=seq.output_token_ids,  # a fresh slice
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=list(request.prompt_token_ids), outputs=completions,
-                             finished=request.finished,
+                             finished=finished,
                              num_cached_tokens=min(s.num_cached_tokens for s in request.seqs))

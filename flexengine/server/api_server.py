@@ -53,7 +53,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 async def abort_on_disconnect(raw: Request, group: RequestGroup):
     """Abort the group when the client goes away (or the handler exits early), so its pages free now.
 
-    Polls because a non-streaming handler writes nothing until the end, so nothing else would notice.
+    For non-streaming handlers, which write nothing until the end, so only polling notices; a stream
+    is an EventStreamResponse, which needs no poll.
     """
     async def watch():
         while not group.finished:
@@ -68,6 +69,25 @@ async def abort_on_disconnect(raw: Request, group: RequestGroup):
     finally:
         watcher.cancel()
         group.abort()  # no-op when every request finished
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events for one request group, aborted however the response ends.
+
+    StreamingResponse already watches for the client going away (it cancels the stream on
+    http.disconnect) or fails the next write, so a stream needs no polling watcher; the `finally`
+    turns either ending into an abort that the engine applies before its next step.
+    """
+
+    def __init__(self, events, group: RequestGroup):
+        super().__init__(events, media_type="text/event-stream")
+        self.group = group
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.abort()  # no-op when every request finished
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
@@ -139,13 +159,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise
         return group
 
-    def sse(chunks, raw: Request, group: RequestGroup) -> StreamingResponse:
+    def sse(chunks, group: RequestGroup) -> EventStreamResponse:
         async def body():
-            async with abort_on_disconnect(raw, group):
-                async for chunk in chunks:
-                    yield f"data: {chunk.model_dump_json()}\n\n"
+            async for chunk in chunks:  # JSON strings
+                yield f"data: {chunk}\n\n"
             yield "data: [DONE]\n\n"
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return EventStreamResponse(body(), group)
 
     async def collect(raw: Request, group: RequestGroup) -> list | None:
         """The final RequestOutput of each prompt, or None when the client left before the end."""
@@ -172,7 +191,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         writer = responses.CompletionWriter(random_id("cmpl"), model_name, body.n, body.logprobs, tokenizer)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return sse(writer.stream(group.outputs(), usage), raw, group)
+            return sse(writer.stream(group.outputs(), usage), group)
         final = await collect(raw, group)
         return Response(status_code=499) if final is None else writer.response(final)
 
@@ -194,7 +213,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                       tokenizer)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return sse(writer.stream(group.outputs(), usage), raw, group)
+            return sse(writer.stream(group.outputs(), usage), group)
         final = await collect(raw, group)
         return Response(status_code=499) if final is None else writer.response(final[0])
 

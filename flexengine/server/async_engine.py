@@ -81,17 +81,28 @@ class RequestGroup:
             pending.discard(rid)
 
     async def outputs(self):
-        """Yield (prompt index, RequestOutput) until every request finished or the group was aborted."""
+        """Yield (prompt index, RequestOutput) until every request finished or the group was aborted.
+
+        Outputs are cumulative, so when several of one request wait in the queue (the handler fell
+        behind the engine) only the latest is yielded: one delta instead of one per step, which keeps a
+        busy event loop from falling further behind. The latest also carries any finish_reason.
+        """
         while self.unfinished and not self.aborted:
-            rid, item = await self.queue.get()
-            if item is ABORTED:
-                return
-            if isinstance(item, BaseException):
-                self.abort()
-                raise item
-            if item.finished:
-                self.unfinished.discard(rid)
-            yield self.index_of[rid], item
+            waiting = [await self.queue.get()]
+            while not self.queue.empty():
+                waiting.append(self.queue.get_nowait())
+            latest: dict[str, RequestOutput] = {}
+            for rid, item in waiting:
+                if item is ABORTED:
+                    return
+                if isinstance(item, BaseException):
+                    self.abort()
+                    raise item
+                if item.finished:
+                    self.unfinished.discard(rid)
+                latest[rid] = item
+            for rid, item in latest.items():
+                yield self.index_of[rid], item
 
     def abort(self) -> None:
         """Abort what is still running (client gone, handler cancelled); idempotent."""

@@ -1,6 +1,14 @@
-"""Engine outputs → OpenAI response bodies and stream chunks (completions and chat)."""
+"""Engine outputs → OpenAI response bodies and stream chunks (completions and chat).
+
+Stream chunks are JSON strings. A chunk without logprobs — nearly every chunk — is written from a
+template per stream (`*_chunk` below) instead of through the pydantic models, which cost several
+times more per token; tests check the template against the models byte for byte. Chunks with
+logprobs go through the models (their floats must print as pydantic prints them).
+"""
 from __future__ import annotations
 
+import json
+import time
 from typing import AsyncIterator
 
 from flexengine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -8,6 +16,16 @@ from flexengine.server.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionResponse, DeltaMessage,
     TokenLogprob, TopLogprob, UsageInfo)
+
+
+# Compact and UTF-8, as pydantic's model_dump_json writes them.
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def chunk_head(request_id: str, object_: str, created: int, model: str) -> str:
+    """The start of every chunk of one stream, up to and including '"choices":['."""
+    head = dumps({"id": request_id, "object": object_, "created": created, "model": model})
+    return head[:-1] + ',"choices":['
 
 
 def apply_chat_template(tokenizer, body: ChatCompletionRequest) -> list[int]:
@@ -69,6 +87,13 @@ class DeltaTracker:
 class CompletionWriter:
     def __init__(self, request_id: str, model: str, n: int, logprobs: int | None, tokenizer):
         self.id, self.model, self.n, self.logprobs, self.tokenizer = request_id, model, n, logprobs, tokenizer
+        self.created = int(time.time())  # one creation time for every chunk of a stream, as OpenAI's
+        self.head = chunk_head(request_id, "text_completion", self.created, model)
+
+    def text_chunk(self, index: int, text: str, finish_reason: str | None) -> str:
+        """The JSON of CompletionResponse(choices=[CompletionChoice(index, text, finish_reason)])."""
+        return (f'{self.head}{{"index":{index},"text":{dumps(text)},"logprobs":null,'
+                f'"finish_reason":{dumps(finish_reason)}}}],"usage":null}}')
 
     def _logprobs(self, c: CompletionOutput, start: int, end: int, text_offset: int) -> CompletionLogprobs | None:
         if self.logprobs is None or c.logprobs is None:
@@ -90,7 +115,8 @@ class CompletionWriter:
                    for i, output in enumerate(finals) for c in output.outputs]
         return CompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of(finals))
 
-    async def stream(self, outputs: AsyncIterator, include_usage: bool) -> AsyncIterator[CompletionResponse]:
+    async def stream(self, outputs: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
+        """JSON chunks: one per choice that gained text or finished since the last, then the usage."""
         tracker, last = DeltaTracker(), {}
         async for i, output in outputs:
             last[i] = output
@@ -101,16 +127,31 @@ class CompletionWriter:
                 if delta is None:
                     continue
                 text, start, end = delta
-                choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason,
-                                          logprobs=self._logprobs(c, start, end, offset))
-                yield CompletionResponse(id=self.id, model=self.model, choices=[choice])
+                logprobs = self._logprobs(c, start, end, offset)
+                if logprobs is None:
+                    yield self.text_chunk(index, text, c.finish_reason)
+                    continue
+                choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=logprobs)
+                yield self._chunk([choice])
         if include_usage:
-            yield CompletionResponse(id=self.id, model=self.model, choices=[], usage=usage_of(list(last.values())))
+            yield self._chunk([], usage_of(list(last.values())))
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=usage).model_dump_json()
 
 
 class ChatWriter:
     def __init__(self, request_id: str, model: str, n: int, top_logprobs: int, tokenizer):
         self.id, self.model, self.n, self.top, self.tokenizer = request_id, model, n, top_logprobs, tokenizer
+        self.created = int(time.time())  # one creation time for every chunk of a stream, as OpenAI's
+        self.head = chunk_head(request_id, "chat.completion.chunk", self.created, model)
+
+    def text_chunk(self, index: int, text: str, finish_reason: str | None) -> str:
+        """The JSON of ChatCompletionChunk(choices=[ChatStreamChoice(index, DeltaMessage(content=text),
+        finish_reason)])."""
+        return (f'{self.head}{{"index":{index},"delta":{{"content":{dumps(text)}}},"logprobs":null,'
+                f'"finish_reason":{dumps(finish_reason)}}}],"usage":null}}')
 
     def _entry(self, token_id: int, lp: Logprob) -> dict:
         token = token_text(self.tokenizer, token_id, lp)
@@ -130,11 +171,11 @@ class ChatWriter:
                    for c in final.outputs]
         return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of([final]))
 
-    async def stream(self, outputs: AsyncIterator, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
+    async def stream(self, outputs: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
+        """JSON chunks: the role, one per choice that gained text or finished since the last, the usage."""
         # OpenAI opens every choice with the assistant role and empty content.
         for index in range(self.n):
-            choice = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-            yield ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])
+            yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         tracker, last = DeltaTracker(), None
         async for _, output in outputs:
             last = output
@@ -143,8 +184,15 @@ class ChatWriter:
                 if delta is None:
                     continue
                 text, start, end = delta
-                choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text),
-                                          finish_reason=c.finish_reason, logprobs=self._logprobs(c, start, end))
-                yield ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])
+                logprobs = self._logprobs(c, start, end)
+                if logprobs is None:
+                    yield self.text_chunk(c.index, text, c.finish_reason)
+                    continue
+                yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text),
+                                                    finish_reason=c.finish_reason, logprobs=logprobs)])
         if include_usage:
-            yield ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage_of([last]))
+            yield self._chunk([], usage_of([last]))
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                   usage=usage).model_dump_json()
