@@ -80,18 +80,16 @@ def paged_score(meta: AttentionMetadata, score_mod, decode: bool):
 
 
 def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[N, M] page lists → an [N, num_blocks] view whose row stride stays M.
+    """[N, M] page lists → a dense [N, num_blocks] table (zeros past column M).
 
-    Flex requires the BlockMask to span the whole KV length (the pool), but a row is only read up to
-    its count (<= M). Overlapping rows in one buffer of N*M + num_blocks entries keep the metadata
-    O(batch), where a dense [N, num_blocks] table would be O(batch x pool).
+    Flex requires the BlockMask to span the whole KV length (the pool), though a row is only read up
+    to its count (<= M). An overlapping strided view would keep this O(batch): compiled flex on the
+    H100 read every row but the first wrongly from one (docs/benchmarks.md), so the table is dense.
     """
     N, M = idx_NM.shape
-    if M >= num_blocks:  # a list never holds more pages than the pool has
-        return idx_NM[:, :num_blocks]
-    buf = idx_NM.new_zeros(N * M + num_blocks)
-    buf[: N * M] = idx_NM.flatten()
-    return buf.as_strided((N, num_blocks), (M, 1))
+    out = idx_NM.new_zeros(N, num_blocks)
+    out[:, : min(M, num_blocks)] = idx_NM[:, :num_blocks]
+    return out
 
 
 def build_block_masks(meta: AttentionMetadata, mask_mod):
