@@ -114,7 +114,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     runner = llm.llm_engine.runner
     print(f"# engine built in {time.perf_counter() - start:.1f} s on {device}; attention {runner.backend.name}, "
-          f"decode graphs {runner.decode_backend.name if runner.decode_graphs else 'off'}")
+          f"decode graphs {'on' if runner.decode_graphs else 'off'}")
     llm.generate(as_requests(random_prompts(4, args.input_len, llm.llm_engine.vocab_size, 1)),
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     step_kinds(llm, random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, 0), args.output_len)

@@ -18,7 +18,7 @@ from attention_reference import make_paged_batch
 from flexengine import masks
 from flexengine.attention import paged_attention
 from flexengine import LLM, SamplingParams
-from flexengine.attention.backends import decode_graph_backend, flash, get_backend
+from flexengine.attention.backends import flash, get_backend
 from flexengine.attention.backends.flex import FlexBackend
 from flexengine.attention.backends.reference import ReferenceBackend
 from flexengine.attention.metadata import build_metadata, plan_layout
@@ -293,14 +293,15 @@ def test_forward_refuses_float32(providers):
 
 
 # ---------------------------------------------------------------- in the engine
-def test_decode_graph_backend_keeps_explicit_choices(providers):
+def test_auto_with_cuda_graphs_keeps_flex_and_says_why_once(providers, caplog):
     providers("FA4")
-    auto = get_backend(None, CAUSAL, head_dim=64)
-    assert auto.name == "flash"
-    assert decode_graph_backend(auto, None, graphs=True).name == "flex"
-    assert decode_graph_backend(auto, None, graphs=False) is auto
-    explicit = get_backend("flash", CAUSAL, head_dim=64)
-    assert decode_graph_backend(explicit, "flash", graphs=True) is explicit
+    assert get_backend(None, CAUSAL, head_dim=64).name == "flash"  # no graphs: flash serves
+    with caplog.at_level(logging.WARNING):
+        assert get_backend(None, CAUSAL, head_dim=64, graphs=True).name == "flex"
+        assert get_backend(None, CAUSAL, head_dim=64, graphs=True).name == "flex"
+    notes = [r.getMessage() for r in caplog.records if "auto" in r.getMessage()]
+    assert len(notes) == 1 and "CUDA graphs" in notes[0], notes
+    assert get_backend("flash", CAUSAL, head_dim=64, graphs=True).name == "flash"  # an explicit choice wins
 
 
 def tiny_llama_head_32(path) -> str:
@@ -315,28 +316,25 @@ def tiny_llama_head_32(path) -> str:
     return str(path)
 
 
-def test_auto_engine_runs_prompts_on_flash_and_decode_on_flex_graphs(providers, gpu_shaped_engines, tmp_path):
-    """With graphs and a provider, auto gives the steps with prompt tokens to flash and replays pure
-    decode steps with flex; the tokens are the dense reference backend's. The engine takes its CUDA
-    path on CPU (gpu_shaped_engines) with a fake FA4 that computes paged attention plainly."""
+def test_engines_on_the_cuda_path_pick_flex_graphs_or_explicit_flash(providers, gpu_shaped_engines, tmp_path):
+    """On the CUDA engine's path (taken on CPU by gpu_shaped_engines) with a fake FA4 that computes paged
+    attention plainly: auto keeps flex and its decode graphs; an explicit flash engine has no graphs,
+    warms up its unpadded shapes, and its tokens are the dense reference backend's."""
     providers("FA4")
-    config = dict(model=tiny_llama_head_32(tmp_path), dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=24, num_kv_blocks=48, max_model_len=64)
+    config = dict(model=tiny_llama_head_32(tmp_path), dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=24,
+                  num_kv_blocks=48, max_model_len=64)
+    auto = LLM(**config).llm_engine.runner
+    assert auto.backend.name == "flex" and auto.decode_graphs is not None
     prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 250 + 1 for j in range(n)]} for i, n in enumerate([9, 30, 3])]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm = LLM(**config)
+    llm = LLM(**config, attention_backend="flash")
     runner = llm.llm_engine.runner
-    assert (runner.backend.name, runner.decode_backend.name) == ("flash", "flex") and runner.decode_graphs
-    decode_passes = []
-    run = runner.decode_graphs.run
-    runner.decode_graphs.run = lambda *a: decode_passes.append(len(a[0])) or run(*a)
+    assert runner.backend.name == "flash" and runner.decode_graphs is None
     CALLS.clear()
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert any(label == "FA4" for label, _ in CALLS), "no step used the paged flash kernel"
-    assert decode_passes, "no decode step replayed the flex graphs"
     reference = LLM(**config, attention_backend="reference")
     assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
-    explicit = LLM(**config, attention_backend="flash").llm_engine.runner
-    assert explicit.decode_graphs is None and explicit.decode_backend is explicit.backend
 
 
 # ---------------------------------------------------------------- the real kernels

@@ -40,16 +40,11 @@ def engine_kwargs(args) -> dict:
 
 
 def engine_mode(llm) -> str:
-    """How the engine runs its steps, for the report: "flex, graphs", "flex, eager", "flash, no graphs",
-    "flash + flex graphs" (flash for steps with prompts, flex graphs for decode)."""
+    """How the engine runs its steps, for the report: "flex, graphs", "flex, eager", "flash, no graphs"."""
     runner = llm.llm_engine.runner
     if not runner.compiled:
         return f"{runner.backend.name}, eager"
-    if runner.decode_graphs is None:
-        return f"{runner.backend.name}, no graphs"
-    if runner.decode_backend is runner.backend:
-        return f"{runner.backend.name}, graphs"
-    return f"{runner.backend.name} + {runner.decode_backend.name} graphs"
+    return f"{runner.backend.name}, {'graphs' if runner.decode_graphs is not None else 'no graphs'}"
 
 
 def sync() -> None:

@@ -15,7 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from ..attention.backends import decode_graph_backend, get_backend
+from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
 from ..attention.metadata import AttentionMetadata, build_metadata, plan_layout, to_device
 from ..compile import fused_elementwise
@@ -83,10 +83,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.mods = [(a.mask_mod, a.score_mod) for a in self.layers]
         self.mod_params = mod_params(self.mods)  # {name: its dtype, fixed here, and the mod reading it}
-        self.backend = get_backend(config.attention_backend, self.mods, self.head_dim, block_size=config.block_size,
-                                   dtype=self.dtype)
         self.compiled = wants_compile(self.device, config.enforce_eager)  # fused kernels and CUDA graphs
-        self.decode_backend = decode_graph_backend(self.backend, config.attention_backend, self.compiled)
+        self.backend = get_backend(config.attention_backend, self.mods, self.head_dim, block_size=config.block_size,
+                                   dtype=self.dtype, graphs=self.compiled)
         # Flex on a GPU is always the compiled kernel (eager flex materialises every score), even with
         # enforce_eager, and compiled flex needs a fixed set of shapes: decode rows and prefill tiles
         # padded to buckets, every per-request tensor max_num_seqs rows long.
@@ -111,13 +110,9 @@ class ModelRunner:
             logger.info("warm-up (compiles every step shape): %.1f s", warm_up_steps(self, decode=not self.compiled))
             if self.compiled:
                 self.decode_graphs = self.capture_decode_graphs()
-        elif self.compiled:  # flash: unpadded steps, the compiled layer regions are dynamic in T
-            from ..compile import allow_recompiles, decode_buckets
+        elif self.compiled:  # flash: unpadded steps, no graphs; the compiled layer regions are dynamic in T
             from ..compile.warmup import warm_up_unpadded
             logger.info("warm-up (compiled layers, %s kernels): %.1f s", self.backend.name, warm_up_unpadded(self))
-            if self.decode_backend.name == "flex":
-                allow_recompiles(len(decode_buckets(config.max_num_seqs)) * len(set(self.mods)))
-                self.decode_graphs = self.capture_decode_graphs()
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; max_model_len %d", self.num_blocks,
                     self.block_size, self.num_blocks * self.bytes_per_block() / 2 ** 20, self.device,
                     self.max_model_len)
@@ -298,7 +293,7 @@ class ModelRunner:
         from ..compile.cuda_graphs import DecodeGraphRunner
         params = {name: p.dtype for name, p in sorted(self.mod_params.items())}
         graphs = DecodeGraphRunner(
-            self.forward_logits, self.decode_backend, self.mods, max_num_seqs=self.config.max_num_seqs,
+            self.forward_logits, self.backend, self.mods, max_num_seqs=self.config.max_num_seqs,
             block_size=self.block_size, num_blocks=self.num_blocks + 1, table_width=self.table_width,
             num_kv_heads=self.num_kv_heads, params=params, scratch_slot=self.num_blocks * self.block_size,
             device=self.device)

@@ -22,13 +22,14 @@ def resolve_backend_name(name: str | None) -> tuple[str, str]:
 
 
 def get_backend(name: str | None = None, mods=(), head_dim: int | None = None, block_size: int | None = None,
-                dtype=None):
+                dtype=None, graphs: bool = False):
     """A backend instance for `name` (None → env → auto) that can serve every (mask, score) in mods.
 
     block_size and dtype (optional) let flash refuse early: FA2's paged KV needs block_size % 256 == 0,
-    and the kernels take only float16/bfloat16.
+    and the kernels take only float16/bfloat16. `graphs`: the engine replays decode from CUDA graphs,
+    which only flex does here, so auto keeps flex (measured faster end to end, docs/benchmarks.md).
     """
-    from .flash import flash_unsupported_reason, make_flash_backend, note_auto_fallback
+    from .flash import Unsupported, flash_unsupported_reason, make_flash_backend, note_auto_fallback
 
     chosen, source = resolve_backend_name(name)
     if chosen == "reference":
@@ -40,6 +41,10 @@ def get_backend(name: str | None = None, mods=(), head_dim: int | None = None, b
         if reason:
             raise ValueError(f"attention backend 'flash' (from {source}) cannot serve this model: {reason}")
         return make_flash_backend(block_size)
+    if not reason and graphs:
+        reason = Unsupported("graphs", "flex runs the decode steps from CUDA graphs and flash cannot, which made "
+                                       "flash 2-4x slower end to end on an H100 (FLEXENGINE_ATTENTION_BACKEND=flash "
+                                       "forces it)")
     if reason:  # auto
         note_auto_fallback(reason)
         return default_flex()
@@ -51,12 +56,3 @@ def default_flex() -> FlexBackend:
     """One shared instance, so each mod is checked once per process, not once per call."""
     return FlexBackend()
 
-
-def decode_graph_backend(backend, name: str | None, graphs: bool):
-    """The backend the decode CUDA graphs replay. The flash backend runs outside graphs, so where auto
-    chose it for an engine with graphs, flex serves the pure decode steps (replayed) and flash the
-    steps that carry prompt tokens: on the H100 flash alone, launched eagerly every step, gave a
-    quarter of the throughput of flex replayed (docs/benchmarks.md). An explicit choice is kept."""
-    if graphs and backend.name == "flash" and resolve_backend_name(name)[0] == "auto":
-        return default_flex()
-    return backend

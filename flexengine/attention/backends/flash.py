@@ -44,7 +44,8 @@ _NOTICED: set[str] = set()
 
 
 class Unsupported(str):
-    """Why flash cannot serve, with a kind: mask, score, dtype, provider, head_size, page_size, import."""
+    """Why flash cannot serve (or auto passes it over), with a kind: mask, score, dtype, provider,
+    head_size, page_size, import, graphs."""
 
     def __new__(cls, kind: str, text: str):
         self = super().__new__(cls, text)
@@ -175,7 +176,7 @@ def flash_unsupported_reason(mods, head_dim: int | None, block_size: int | None 
 
 def note_auto_fallback(reason: str) -> None:
     """auto falls back to flex; say so once where a user with FlashAttention would expect it."""
-    if getattr(reason, "kind", None) in ("head_size", "page_size", "import", "dtype") and reason not in _NOTICED:
+    if getattr(reason, "kind", None) in ("head_size", "page_size", "import", "dtype", "graphs") and reason not in _NOTICED:
         _NOTICED.add(reason)
         logger.warning("attention backend auto: using flex, not flash: %s", reason)
 
