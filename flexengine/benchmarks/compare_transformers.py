@@ -22,8 +22,8 @@ import torch
 import torch._dynamo
 
 from .common import (HBM_BYTES_PER_S, add_engine_arguments, build_llm, check_lengths, decode_ms_per_token, device_name,
-                     engine_mode,
-                     engine_model, generate_fixed, random_prompts, timed, warm_up, weight_bytes, write_json)
+                     engine_mode, engine_model, generate_fixed, random_prompts, timed, warm_up, weight_bytes,
+                     write_json)
 from .latency import measure_decode
 
 

@@ -42,9 +42,9 @@ def get_backend(name: str | None = None, mods=(), head_dim: int | None = None, b
             raise ValueError(f"attention backend 'flash' (from {source}) cannot serve this model: {reason}")
         return make_flash_backend(block_size)
     if not reason and graphs:
-        reason = Unsupported("graphs", "flex runs the decode steps from CUDA graphs and flash cannot, which made "
-                                       "flash 2-4x slower end to end on an H100 (FLEXENGINE_ATTENTION_BACKEND=flash "
-                                       "forces it)")
+        reason = Unsupported("graphs", "flex replays the decode steps from CUDA graphs and flash cannot; on an H100 "
+                                       "flash was 2.6x slower in throughput and 5.9x at batch 1 "
+                                       "(FLEXENGINE_ATTENTION_BACKEND=flash forces it)")
     if reason:  # auto
         note_auto_fallback(reason)
         return default_flex()
@@ -55,4 +55,3 @@ def get_backend(name: str | None = None, mods=(), head_dim: int | None = None, b
 def default_flex() -> FlexBackend:
     """One shared instance, so each mod is checked once per process, not once per call."""
     return FlexBackend()
-

@@ -176,7 +176,8 @@ def flash_unsupported_reason(mods, head_dim: int | None, block_size: int | None 
 
 def note_auto_fallback(reason: str) -> None:
     """auto falls back to flex; say so once where a user with FlashAttention would expect it."""
-    if getattr(reason, "kind", None) in ("head_size", "page_size", "import", "dtype", "graphs") and reason not in _NOTICED:
+    noticed_kinds = ("head_size", "page_size", "import", "dtype", "graphs")
+    if getattr(reason, "kind", None) in noticed_kinds and reason not in _NOTICED:
         _NOTICED.add(reason)
         logger.warning("attention backend auto: using flex, not flash: %s", reason)
 
