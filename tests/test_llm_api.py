@@ -175,3 +175,32 @@ def test_offline_text_decoded_at_the_end_equals_streamed_text(llm, seed, max_tok
             streamed = out.outputs[0]
     assert streamed.token_ids == offline.token_ids
     assert (streamed.text, streamed.finish_reason) == (offline.text, offline.finish_reason)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), max_tokens=st.integers(1, 24),
+       stop=st.lists(st.text(alphabet="aeiou ", min_size=1, max_size=3), max_size=2))
+def test_delta_outputs_add_up_to_the_cumulative_ones(llm, seed, max_tokens, stop):
+    """A request added with delta=True (the server's engine process) reports only what is new; joined,
+    its outputs are the cumulative ones: text (stop strings held back, then cut), tokens, logprobs."""
+    params = SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=max_tokens, stop=stop, logprobs=1)
+    prompt = {"prompt_token_ids": [72, 105, 0xC3]}
+    engine = llm.llm_engine
+    runs = {}
+    for delta in (False, True):
+        engine.add_request("r", prompt, params, delta=delta)
+        joined = {i: ["", [], [], None] for i in range(2)}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    j = joined[c.index]
+                    if delta:
+                        j[0], j[1], j[2] = j[0] + c.text, j[1] + c.token_ids, j[2] + c.logprobs
+                    else:
+                        assert c.text.startswith(j[0])  # cumulative text never shrinks
+                        j[0], j[1], j[2] = c.text, c.token_ids, c.logprobs
+                    j[3] = c.finish_reason
+        runs[delta] = {i: (text, tokens, [sorted(lp) for lp in lps], reason)
+                       for i, (text, tokens, lps, reason) in joined.items()}
+    assert runs[True] == runs[False]
+    assert_clean(llm)

@@ -173,19 +173,23 @@ class LLMEngine:
                                  f"SamplingParams(attention_params={{{name!r}: ...}})")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    final_only: bool = False) -> None:
+                    final_only: bool = False, delta: bool = False) -> None:
         """Queue a request; raises ValueError (and changes nothing) when it is invalid.
 
         final_only: `step` reports the request once, when it finishes (vLLM's FINAL_ONLY output kind),
         and its text is decoded then, not token by token, unless stop strings need it.
+        delta: each output's text, token_ids and logprobs are only what is new since the request's last
+        output (vLLM's DELTA output kind), which saves copying everything so far at every step;
+        prompt_token_ids is then the request's own list, not a copy.
         """
+        assert not (final_only and delta), "final_only and delta exclude each other"
         params = SamplingParams() if params is None else params
         text, prompt_ids = self.tokenize(prompt)
         self.validate(request_id, prompt_ids, params)
         seqs = [self._make_sequence(request_id, i, prompt_ids, params.for_completion(i)) for i in range(params.n)]
         for seq in seqs:
             seq.text_at_end = final_only and not params.stop
-        self.requests[request_id] = Request(request_id, text, prompt_ids, params, seqs, final_only)
+        self.requests[request_id] = Request(request_id, text, prompt_ids, params, seqs, final_only, delta)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -314,12 +318,18 @@ class LLMEngine:
                 # Hold back what might be the start of a stop string, so cumulative text never shrinks.
                 hold = max(len(s) for s in seq.params.stop) - 1
                 text = text[:max(0, len(text) - hold)]
+            first = 0  # of the output tokens
+            if request.delta:  # only what is new since the last output
+                assert len(text) >= seq.num_sent_chars, "the visible text shrank"
+                text, seq.num_sent_chars = text[seq.num_sent_chars:], len(text)
+                first, seq.num_sent_tokens = seq.num_sent_tokens, seq.num_output_tokens
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=seq.output_token_ids,  # a fresh slice
+                index=seq.index, text=text, token_ids=seq.token_ids[seq.num_prompt_tokens + first:],  # a fresh slice
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                logprobs=seq.logprobs[first:] if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        prompt_ids = request.prompt_token_ids if request.delta else list(request.prompt_token_ids)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=list(request.prompt_token_ids), outputs=completions,
+                             prompt_token_ids=prompt_ids, outputs=completions,
                              finished=finished,
                              num_cached_tokens=min(s.num_cached_tokens for s in request.seqs))

@@ -44,6 +44,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_sent_tokens: int = 0               # output tokens and text characters already reported,
+    num_sent_chars: int = 0                # for a request that reports deltas
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +80,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     final_only: bool = False               # reported once, when finished
+    delta: bool = False                    # each report carries only what is new since the last
 
     @property
     def finished(self) -> bool:
