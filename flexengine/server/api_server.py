@@ -1,14 +1,15 @@
 """`flexengine serve [MODEL]`: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics. Requests join the
-engine's running batch through AsyncEngine; a client that goes away has its request aborted.
+engine's running batch through AsyncEngine; a client that goes away has its request aborted. The engine
+runs in its own process, built before the server listens, so /health answers only once it is ready.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import hmac
-
+import json
 import re
 from contextlib import asynccontextmanager
 
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexengine.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestGroup
+from flexengine.server.engine_process import EngineProcess, log_to_stderr
 from flexengine.server.protocol import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, random_id)
 from flexengine.server import responses
@@ -99,8 +101,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         engine.stop()
 
     app = FastAPI(title="flexengine", lifespan=lifespan)
-    tokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
 
     @app.exception_handler(ApiError)
     async def on_api_error(_, exc: ApiError):
@@ -161,8 +163,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     def sse(chunks, group: RequestGroup) -> EventStreamResponse:
         async def body():
-            async for chunk in chunks:  # JSON strings
-                yield f"data: {chunk}\n\n"
+            try:
+                async for chunk in chunks:  # JSON strings
+                    yield f"data: {chunk}\n\n"
+            except EngineDeadError as e:  # the headers are sent: say why in the stream (OpenAI's clients raise it)
+                yield f"data: {json.dumps(error_body(str(e), None, 'server_error', None))}\n\n"
+                return
             yield "data: [DONE]\n\n"
         return EventStreamResponse(body(), group)
 
@@ -286,15 +292,18 @@ def engine_config_from_args(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     import uvicorn
-    from flexengine.engine.llm_engine import LLMEngine
 
     api_key = args.api_key or env_api_key()
     if args.max_waiting_requests < 0:
         raise SystemExit("--max-waiting-requests must be >= 0")
     config = engine_config_from_args(args)
-    llm_engine = LLMEngine(config)
-    engine = AsyncEngine(llm_engine, config.max_num_seqs, args.max_waiting_requests)
-    model_name = args.served_model_name or args.model or "default"
-    app = build_app(engine, model_name, api_key, model_root=args.model)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    log_to_stderr()
+    process = EngineProcess.start(config)  # builds (and on a GPU warms up) the engine before we listen
+    try:
+        engine = AsyncEngine(process, config.max_num_seqs, args.max_waiting_requests)
+        model_name = args.served_model_name or args.model or "default"
+        app = build_app(engine, model_name, api_key, model_root=args.model)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        process.stop()  # already done by the app's shutdown, unless uvicorn never started it
     return 0

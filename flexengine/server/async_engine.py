@@ -1,26 +1,24 @@
-"""The engine loop behind the server: one thread steps LLMEngine; asyncio handlers talk to it by hand-off.
+"""The API process's side of the engine: requests go to the engine process, its step outputs come back.
 
-The engine is not thread-safe, so every engine call (add, abort, step) happens on the loop thread.
-Handlers queue work under a lock and wake the thread; the thread hands results back to the event loop
-in one `loop.call_soon_threadsafe` per step. New requests join the running batch at the next step
-(continuous batching), and an abort is applied before the next step runs.
+The engine runs in its own process (engine_process.py), so this process's GIL serves the event loop
+alone. Handlers' new requests and aborts are sent in one message per turn of the event loop; the
+engine process answers with one message per step, which the event loop reads when the pipe is
+readable (no thread) and routes to the request groups as cumulative RequestOutputs, as LLMEngine.step
+returns them. An abort reaches the engine process before its next step, which frees the pages.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-from flexengine.outputs import RequestOutput
+from flexengine.outputs import CompletionOutput, RequestOutput
 from flexengine.sampling_params import SamplingParams
+from flexengine.server.engine_process import (
+    Accepted, EngineFailed, EngineInput, EngineProcess, EngineSnapshot, NewRequest, StepOutputs)
 from flexengine.server.metrics import ServerMetrics
-
-if TYPE_CHECKING:
-    from flexengine.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -33,23 +31,20 @@ class EngineOverloadedError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread raised; every request in flight fails with it."""
+    """The engine process died; every request in flight fails with it."""
 
 
 @dataclass
-class RequestTimes:
+class RequestState:
+    """One engine request as this process sees it: timings, and the outputs so far (deltas applied)."""
     arrival: float
+    completions: list[CompletionOutput]
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
     first_token: float | None = None
     last_token: float | None = None
     last_output: RequestOutput | None = None
-
-
-@dataclass
-class EngineSnapshot:
-    """Numbers the engine thread publishes after every step, read by /metrics (plain assignments)."""
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_unfinished: int = 0
+    num_cached_tokens: int = 0
 
 
 class RequestGroup:
@@ -116,27 +111,24 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    def __init__(self, engine: "LLMEngine", max_num_seqs: int, max_waiting_requests: int,
+    def __init__(self, process: EngineProcess, max_num_seqs: int, max_waiting_requests: int,
                  metrics: ServerMetrics | None = None):
-        self.engine = engine
+        self.process = process
+        self.tokenizer = process.ready.tokenizer
+        self.max_model_len = process.ready.max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics or ServerMetrics()
-        self.snapshot = EngineSnapshot(engine.num_free_blocks(), engine.num_total_blocks, 0)
+        self.snapshot: EngineSnapshot = process.ready.snapshot
         self.error: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        # Event-loop side: engine request id -> its group and timings.
+        # engine request id -> its group and state
         self.groups: dict[str, RequestGroup] = {}
-        self.times: dict[str, RequestTimes] = {}
+        self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        # Hand-off to the engine thread, guarded by _cond.
-        self._cond = threading.Condition()
-        self._new: list[tuple[str, object, SamplingParams]] = []
-        self._aborts: list[str] = []
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-
-    # ---- event-loop side --------------------------------------------------------------------------
+        self._outbox = EngineInput()  # sent once per turn of the event loop
+        self._flush_scheduled = False
+        self._reading = False
 
     @property
     def num_in_flight(self) -> int:
@@ -149,24 +141,22 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return self.error is None and self.process.is_alive()
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="flexengine-engine-loop", daemon=True)
-        self._thread.start()
+        self.loop.add_reader(self.process.outputs.fileno(), self._read)
+        self._reading = True
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
+        """Stop reading and stop the engine process (it exits after its step in flight); idempotent."""
+        self._stop_reading()
+        self.process.stop()
 
     def add_requests(self, prompts: list, params: SamplingParams) -> RequestGroup:
         """Queue prompts for the engine; raises EngineOverloadedError past the load limit."""
         if self.error is not None:
-            raise EngineDeadError(f"engine loop died: {self.error!r}")
+            raise EngineDeadError(str(self.error))
         limit = self.max_num_seqs + self.max_waiting_requests
         if self.num_in_flight + len(prompts) > limit:
             self.metrics.requests_rejected.inc()
@@ -177,96 +167,128 @@ class AsyncEngine:
         request_ids = [f"req-{next(self._ids)}" for _ in prompts]
         group = RequestGroup(self, request_ids)
         now = time.perf_counter()
-        for rid in request_ids:
+        logprobs = params.logprobs is not None
+        for rid, prompt in zip(request_ids, prompts):
             self.groups[rid] = group
-            self.times[rid] = RequestTimes(arrival=now)
-        with self._cond:
-            self._new.extend((rid, prompt, params) for rid, prompt in zip(request_ids, prompts))
-            self._cond.notify()
+            self.requests[rid] = RequestState(now, [CompletionOutput(i, "", [], logprobs=[] if logprobs else None)
+                                                    for i in range(params.n)])
+            self._outbox.new.append(NewRequest(rid, prompt, params))
+        self._send_soon()
         return group
 
     def abort(self, request_id: str) -> None:
         if request_id not in self.groups:
             return
         self._forget(request_id, finish_reason="abort")
-        with self._cond:
-            self._aborts.append(request_id)
-            self._cond.notify()
+        self._outbox.aborts.append(request_id)
+        self._send_soon()
+
+    def _send_soon(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """One message with everything handlers queued during this turn of the event loop."""
+        self._flush_scheduled = False
+        message, self._outbox = self._outbox, EngineInput()
+        if self.error is not None or self.process.inputs.closed:
+            return
+        try:
+            self.process.send(message)
+        except BrokenPipeError:  # the engine process is gone: _read sees EOF and fails every request
+            pass
 
     def _forget(self, request_id: str, finish_reason: str | None) -> None:
         del self.groups[request_id]
-        times = self.times.pop(request_id)
+        state = self.requests.pop(request_id)
         if finish_reason is not None:
-            self.metrics.observe_finished(times.arrival, times.first_token, times.last_token,
-                                          times.last_output, finish_reason)
+            self.metrics.observe_finished(state.arrival, state.first_token, state.last_token,
+                                          state.last_output, finish_reason)
 
-    def _deliver(self, events: list[tuple[str, object]]) -> None:
-        """Runs on the event loop: route the engine thread's events to their groups."""
+    # ---- what the engine process sends ------------------------------------------------------------
+
+    def _read(self) -> None:
+        """Runs on the event loop when the pipe is readable: every message that arrived, in order."""
+        outputs = self.process.outputs
+        while self._reading and outputs.poll():
+            try:
+                message = outputs.recv()
+            except EOFError:
+                self._engine_died(None)
+                return
+            if isinstance(message, EngineFailed):
+                self._engine_died(message.traceback)
+                return
+            self._deliver(message)
+
+    def _deliver(self, step: StepOutputs) -> None:
+        """Route one step's outputs to their groups (a request aborted meanwhile is skipped: the engine
+        process drops it too once the abort arrives)."""
         now = time.perf_counter()
-        for rid, item in events:
+        self.snapshot = step.snapshot
+        for accepted in step.accepted:
+            self._accept(accepted)
+        for rid, message in step.refused:
             group = self.groups.get(rid)
-            if group is None:  # aborted meanwhile; the engine thread drops it too
-                continue
-            if isinstance(item, RequestOutput):
-                self._track(rid, item, now)
-            elif isinstance(item, BaseException):
+            if group is not None:
                 self._forget(rid, finish_reason=None)
-            group.queue.put_nowait((rid, item))
+                group.queue.put_nowait((rid, ValueError(message)))
+        progressed: dict[str, RequestState] = {}
+        for delta in step.deltas:
+            state = self.requests.get(delta.request_id)
+            if state is None:
+                continue
+            old = state.completions[delta.index]
+            state.completions[delta.index] = CompletionOutput(
+                delta.index, old.text + delta.text, old.token_ids + delta.token_ids,
+                delta.cumulative_logprob, None if delta.logprobs is None else old.logprobs + delta.logprobs,
+                delta.finish_reason, delta.stop_reason)
+            state.num_cached_tokens = delta.num_cached_tokens
+            progressed[delta.request_id] = state
+        for rid, state in progressed.items():
+            output = RequestOutput(rid, state.prompt, state.prompt_token_ids, list(state.completions),
+                                   finished=all(c.finish_reason is not None for c in state.completions),
+                                   num_cached_tokens=state.num_cached_tokens)
+            group = self.groups[rid]
+            self._track(rid, state, output, now)
+            group.queue.put_nowait((rid, output))
 
-    def _track(self, rid: str, output: RequestOutput, now: float) -> None:
-        times = self.times[rid]
+    def _accept(self, accepted: Accepted) -> None:
+        state = self.requests.get(accepted.request_id)
+        if state is None:
+            return
+        state.prompt, state.prompt_token_ids = accepted.prompt, accepted.prompt_token_ids
+        self.groups[accepted.request_id].queue.put_nowait((accepted.request_id, ADDED))
+
+    def _track(self, rid: str, state: RequestState, output: RequestOutput, now: float) -> None:
         new_tokens = sum(len(c.token_ids) for c in output.outputs)
-        old_tokens = sum(len(c.token_ids) for c in times.last_output.outputs) if times.last_output else 0
+        old_tokens = sum(len(c.token_ids) for c in state.last_output.outputs) if state.last_output else 0
         if new_tokens > old_tokens:
-            if times.first_token is None:
-                times.first_token = now
-            times.last_token = now
-        times.last_output = output
+            if state.first_token is None:
+                state.first_token = now
+            state.last_token = now
+        state.last_output = output
         if output.finished:
             reason = output.outputs[0].finish_reason if output.outputs else "stop"
             self._forget(rid, finish_reason=reason or "stop")
 
-    # ---- engine thread ----------------------------------------------------------------------------
+    def _engine_died(self, failure: str | None) -> None:
+        """Fail every request in flight loudly instead of leaving handlers waiting forever."""
+        self._stop_reading()
+        if failure is None:
+            what = f"exited unexpectedly (exit code {self.process.exit_code()})"
+        else:
+            logger.error("the engine process raised:\n%s", failure)
+            what = f"raised {failure.strip().splitlines()[-1]}"
+        self.error = EngineDeadError(f"the engine process {what}; the server cannot serve requests")
+        logger.error("%s", self.error)
+        for rid in list(self.groups):
+            group = self.groups[rid]
+            self._forget(rid, finish_reason=None)
+            group.queue.put_nowait((rid, self.error))
 
-    def _run(self) -> None:
-        busy = False
-        try:
-            while True:
-                with self._cond:
-                    while not (self._new or self._aborts or busy or self._stopping):
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                    new, self._new = self._new, []
-                    aborts, self._aborts = self._aborts, []
-                events: list[tuple[str, object]] = []
-                for rid in aborts:  # the engine ignores ids it no longer holds
-                    self.engine.abort_request(rid)
-                for rid, prompt, params in new:
-                    if rid in aborts:
-                        continue
-                    try:
-                        self.engine.add_request(rid, prompt, params)
-                    except ValueError as e:  # a bad prompt (too long, bad ids): the handler answers 400
-                        events.append((rid, e))
-                        continue
-                    events.append((rid, ADDED))
-                if self.engine.has_unfinished_requests():
-                    events.extend((output.request_id, output) for output in self.engine.step())
-                busy = self.engine.has_unfinished_requests()
-                self._publish_snapshot()
-                if events:
-                    self.loop.call_soon_threadsafe(self._deliver, events)
-        except BaseException as e:
-            # Fail every request in flight loudly instead of leaving handlers waiting forever.
-            logger.exception("engine loop died")
-            self.error = e
-            self.loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {e!r}"))
-            raise
-
-    def _publish_snapshot(self) -> None:
-        self.snapshot = EngineSnapshot(self.engine.num_free_blocks(), self.engine.num_total_blocks,
-                                       self.engine.get_num_unfinished_requests())
-
-    def _fail_all(self, error: BaseException) -> None:
-        self._deliver([(rid, error) for rid in list(self.groups)])
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self.loop.remove_reader(self.process.outputs.fileno())
+            self._reading = False
