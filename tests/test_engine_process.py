@@ -1,0 +1,142 @@
+"""The server's engine process: an abort mid-step frees pages, the engine dying fails every request in
+flight loudly, and no process outlives the server. Real `flexengine serve` processes on loopback."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from slow_step_serve import SLOW_STEP_S  # noqa: E402
+from test_server import ENGINE_ARGS, free_port, launch_server, metrics, stop_server, wait_idle, wait_ready  # noqa: E402
+
+SLOW_SERVE = os.path.join(os.path.dirname(__file__), "slow_step_serve.py")
+
+
+def launch_slow_server():
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="flexengine-serve-", suffix=".log", delete=False)
+    cmd = [sys.executable, SLOW_SERVE, "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--uvicorn-log-level", "warning", *ENGINE_ARGS]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}", log
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of pid (the engine process and multiprocessing's resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # exited while we looked
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def engine_pid(server_pid: int) -> int:
+    pids = [p for p in children(server_pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(running(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if running(p)]}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """A slow-step server, and two plain ones to stop, started together."""
+    slow, plain, to_kill = launch_slow_server(), launch_server(*ENGINE_ARGS), launch_server(*ENGINE_ARGS)
+    try:
+        for proc, url, log in (slow, plain, to_kill):
+            wait_ready(proc, url, log)
+        yield slow, plain, to_kill
+    finally:
+        for proc, _, _ in (slow, plain, to_kill):
+            stop_server(proc)
+
+
+def test_abort_mid_step_frees_pages_by_the_next_step(servers):
+    _, base_url, _ = servers[0]
+    idle = wait_idle(base_url)
+    generated_before = idle["flexengine:generation_tokens_total"]
+    body = {"prompt": "x" * 40, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        assert metrics(base_url)["flexengine:num_free_kv_blocks"] < idle["flexengine:num_free_kv_blocks"]
+        # The engine sleeps through nearly all of each step: the abort arrives mid-step.
+    closed = time.monotonic()
+    while metrics(base_url)["flexengine:num_free_kv_blocks"] != idle["flexengine:num_free_kv_blocks"]:
+        assert time.monotonic() - closed < 2 * SLOW_STEP_S + 1.0, "pages not freed by the step after the abort"
+        time.sleep(0.02)
+    assert metrics(base_url)["flexengine:generation_tokens_total"] - generated_before < 20
+
+
+def test_engine_death_fails_requests_in_flight_and_health(servers):
+    proc, base_url, _ = servers[0]
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=30)
+    kwargs = dict(model="default", prompt="hello", max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    errors = {}
+
+    def whole():
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(**kwargs)
+        errors["whole"] = info.value
+
+    waiter = threading.Thread(target=whole)
+    waiter.start()
+    stream = iter(client.completions.create(**kwargs, stream=True))
+    next(stream)
+    deadline = time.monotonic() + 10
+    while metrics(base_url)["flexengine:num_requests_running"] != 2:  # both in flight
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(engine_pid(proc.pid), signal.SIGKILL)
+    with pytest.raises(openai.APIError) as info:
+        for _ in stream:
+            pass
+    assert "engine process exited unexpectedly" in str(info.value)
+    waiter.join(timeout=30)
+    assert "engine process exited unexpectedly" in str(errors["whole"])
+    health = httpx.get(base_url + "/health")
+    assert health.status_code == 503 and "engine process exited unexpectedly" in health.text
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(**{**kwargs, "max_tokens": 2})
+
+
+def test_no_process_outlives_the_server(servers):
+    plain, to_kill = servers[1][0], servers[2][0]
+    left = children(plain.pid)
+    assert len(left) >= 1
+    stop_server(plain)  # SIGTERM: the server stops its engine process
+    wait_gone(left)
+    left = children(to_kill.pid)
+    to_kill.kill()  # SIGKILL: the engine process sees its input pipe close
+    to_kill.wait()
+    wait_gone(left)
