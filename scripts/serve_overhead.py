@@ -6,7 +6,8 @@ on the same workload in the same run, with the model step made near-free.
     python scripts/serve_overhead.py --client-only        # the bench client's own capacity
 
 The model step is replaced by a sleep of --step-ms + --step-us-per-seq x batch (the GIL is released
-while sleeping, as it is while a GPU step runs), returning printable random tokens: what is left is
+while sleeping, as it is while a GPU step runs), in the offline engine and in the server's engine
+process alike (FAKE_STEP_ENV below), returning printable random tokens: what is left is
 the host work of scheduling, output building, detokenizing and, for the server, HTTP streaming. The
 defaults (2 ms + 25 us/seq, 8.4 ms at 256 sequences) mimic the Llama-3.2-1B decode step on an H100.
 --real-model runs the embedded tiny model (reference attention) instead. The server and the bench
@@ -53,7 +54,7 @@ def engine_flags(args) -> dict:
 
 # ---- the near-free model step ------------------------------------------------------------------------
 
-def fake_model_step(args) -> None:
+def fake_model_step(step_ms: float, step_us_per_seq: float) -> None:
     """Replace ModelRunner.execute with a GIL-free sleep that samples random printable tokens."""
     from flexengine.engine.model_runner import ModelRunner
     from flexengine.layers.sampler import SamplerOutput
@@ -63,12 +64,20 @@ def fake_model_step(args) -> None:
     def execute(self, batch):
         # The sequences whose prompt is complete after this step get a token (as prepare_step picks them).
         seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
-        time.sleep((args.step_ms + args.step_us_per_seq * len(batch.seqs) / 1000) / 1000)
+        time.sleep((step_ms + step_us_per_seq * len(batch.seqs) / 1000) / 1000)
         if not seqs:
             return [], None
         return seqs, SamplerOutput(token_ids=torch.randint(VOCAB_LO, VOCAB_HI, (len(seqs),), generator=gen))
 
     ModelRunner.execute = execute
+
+
+# The server's engine runs in a spawned process, which re-imports this script as __mp_main__ (its
+# `if __name__ == "__main__"` part does not run): the server role names the fake step here, in the
+# environment the engine process inherits, and the engine process fakes its step on import.
+FAKE_STEP_ENV = "SERVE_OVERHEAD_FAKE_STEP"
+if __name__ == "__mp_main__" and os.environ.get(FAKE_STEP_ENV):
+    fake_model_step(*map(float, os.environ[FAKE_STEP_ENV].split(",")))
 
 
 # ---- offline ------------------------------------------------------------------------------------------
@@ -145,7 +154,7 @@ def against(role: str, args) -> dict:
 def serve(args) -> int:
     from flexengine import cli
     if not args.real_model:
-        fake_model_step(args)
+        os.environ[FAKE_STEP_ENV] = f"{args.step_ms},{args.step_us_per_seq}"  # for the engine process
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_flags(args).items()]
     return cli.main(["serve", "--port", str(args.port), "--uvicorn-log-level", "warning", *flags,
                      *args.server_args.split()])
@@ -237,7 +246,7 @@ def main() -> int:
     offline = None
     if not args.skip_offline:
         if not args.real_model:
-            fake_model_step(args)
+            fake_model_step(args.step_ms, args.step_us_per_seq)
         offline = run_offline(args)
     report(args, offline, against("server", args), None)
     return 0
