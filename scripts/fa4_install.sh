@@ -2,6 +2,7 @@
 # FlashAttention-4 (flash-attn-4 + CuTe DSL, cu13) for a GPU machine without network, carried in .whl/.
 #
 #   here (network):  bash scripts/fa4_install.sh pack [NUM_PARTS]   download + pack into .whl/
+#   there (GPU):     bash scripts/fa4_install.sh path                 the PYTHONPATH entries of the installed set
 #   there (GPU):     bash scripts/fa4_install.sh [command ...]       install into $FA4_SITE (/tmp/site),
 #                    smoke-test FA4 (FA4_SMOKE=0 skips), then run `command` with PYTHONPATH set
 # Why each step is the way it is: docs/flash_attn4.md.
@@ -64,6 +65,10 @@ gather() {  # there: collect this call's part(s) in $PARTS; exit 3 until all of 
   (cd /tmp && sha256sum -c --quiet) < "$WHL/fa4.sha256"
 }
 
+site_path() {  # what PYTHONPATH needs for the installed set (see install)
+  echo "$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages"
+}
+
 install() {
   gather
   rm -rf "$SITE" /tmp/fa4_wheels && mkdir -p /tmp/fa4_wheels
@@ -75,7 +80,7 @@ install() {
   rm -rf /tmp/fa4.tar.xz /tmp/fa4_wheels
   # nvidia_cutlass_dsl_packages.pth puts dsl_packages/ (where `cutlass` lives) on sys.path, but .pth files
   # are read only in site dirs, never in a PYTHONPATH entry: name that dir ourselves.
-  export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$(site_path)${PYTHONPATH:+:$PYTHONPATH}"
   echo "fa4: installed in $SITE ($(du -sh "$SITE" | cut -f1)); PYTHONPATH=$PYTHONPATH"
 }
 
@@ -115,6 +120,10 @@ PY
 
 if [ "${1:-}" = pack ]; then
   pack "${2:-1}"
+  exit
+fi
+if [ "${1:-}" = path ]; then  # for a caller that runs FA4 later, after this script has installed it
+  site_path
   exit
 fi
 install

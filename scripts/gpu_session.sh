@@ -35,7 +35,6 @@ step() {
 }
 
 FA4_PATH=  # set by the fa4 stage once FlashAttention-4 imports and passes its smoke test
-FA4_SITE_PATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages  # where scripts/fa4_install.sh puts it
 
 model() {
   [[ -f $MODEL_DIR/config.json ]] || step make_model 150 python3 -m flexengine.cli make-model --preset llama-3.2-1b \
@@ -57,7 +56,7 @@ for stage in ${*:-tests attention compare latency}; do
     eager) e2e latency_eager throughput_eager ;;
     serve) step serve 240 bash scripts/serve_bench.sh ;;  # it makes the checkpoint itself
     fa4) step fa4 200 bash scripts/fa4_install.sh python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short \
-           tests/test_flash_backend.py && FA4_PATH=$FA4_SITE_PATH ;;
+           tests/test_flash_backend.py && FA4_PATH=$(bash scripts/fa4_install.sh path) ;;
     flash) if [[ -z $FA4_PATH ]]; then STATUS+=("flash: SKIPPED (no working FA4; run the fa4 stage first)"); else
              for backend in flex auto flash; do  # auto: flash for steps with prompts, flex graphs for decode
                left=$(( BUDGET - ($(date +%s) - START) ))
