@@ -235,6 +235,7 @@ class AsyncEngine:
                 self._forget(rid, finish_reason=None)
                 group.queue.put_nowait((rid, ValueError(message)))
         progressed: dict[str, RequestState] = {}
+        gained: set[str] = set()  # requests that got a token this step (for TTFT/TPOT)
         for delta in step.deltas:
             state = self.requests.get(delta.request_id)
             if state is None:
@@ -246,12 +247,14 @@ class AsyncEngine:
                 delta.finish_reason, delta.stop_reason)
             state.num_cached_tokens = delta.num_cached_tokens
             progressed[delta.request_id] = state
+            if delta.token_ids:
+                gained.add(delta.request_id)
         for rid, state in progressed.items():
             output = RequestOutput(rid, state.prompt, state.prompt_token_ids, list(state.completions),
                                    finished=all(c.finish_reason is not None for c in state.completions),
                                    num_cached_tokens=state.num_cached_tokens)
             group = self.groups[rid]
-            self._track(rid, state, output, now)
+            self._track(rid, state, output, now, rid in gained)
             group.queue.put_nowait((rid, output))
 
     def _accept(self, accepted: Accepted) -> None:
@@ -261,10 +264,8 @@ class AsyncEngine:
         state.prompt, state.prompt_token_ids = accepted.prompt, accepted.prompt_token_ids
         self.groups[accepted.request_id].queue.put_nowait((accepted.request_id, ADDED))
 
-    def _track(self, rid: str, state: RequestState, output: RequestOutput, now: float) -> None:
-        new_tokens = sum(len(c.token_ids) for c in output.outputs)
-        old_tokens = sum(len(c.token_ids) for c in state.last_output.outputs) if state.last_output else 0
-        if new_tokens > old_tokens:
+    def _track(self, rid: str, state: RequestState, output: RequestOutput, now: float, gained: bool) -> None:
+        if gained:
             if state.first_token is None:
                 state.first_token = now
             state.last_token = now
