@@ -8,7 +8,8 @@
 # carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages still run
 # without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto, flash). The
 # end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
-# Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR.
+# Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR. At the end
+# everything in $OUT is packed into $OUT/logs.tgz (the device tool brings back at most 8 files).
 set -u
 # The checkpoint goes to /dev/shm when it has room: writing 2.5 GB to the box's disk took about a minute.
 SHM_FREE_KB=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}')
@@ -68,4 +69,6 @@ for stage in ${*:-tests attention compare latency}; do
   esac
 done
 echo "=================== summary ($(( $(date +%s) - START ))s of ${BUDGET}s)"
-printf '%s\n' "${STATUS[@]}"
+printf '%s\n' "${STATUS[@]}" | tee "$OUT/summary.txt"
+# The device returns at most 8 files from $OUT: everything travels as one archive.
+tar -czf /tmp/gpu_session_logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_session_logs.tgz "$OUT/logs.tgz"

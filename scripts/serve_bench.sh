@@ -29,7 +29,8 @@ PY
   export PYTHONPATH=/tmp/serve_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 [[ -f $MODEL_DIR/config.json ]] || $PY -m flexengine.cli make-model --preset llama-3.2-1b --out "$MODEL_DIR" --dtype bfloat16
-$PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --port "$PORT" --max-waiting-requests 1024 \
+# A native crash in the engine process then prints every thread's Python stack into server.log.
+PYTHONFAULTHANDLER=1 $PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --port "$PORT" --max-waiting-requests 1024 \
   --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
@@ -42,6 +43,9 @@ for rate in inf 16; do
   $PY -m flexengine.cli bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 256 --input-len 256 \
     --output-len 256 --request-rate "$rate" --json-out "$OUT/serve_rate_$rate.json" 2>&1 | tee "$OUT/serve_rate_$rate.log"
 done
+if grep -qE "Failed requests: +[1-9]|test run failed" "$OUT"/serve_rate_*.log; then
+  echo "=== requests failed; the server's log ends:"; grep -v -i warn "$OUT/server.log" | tail -n 60
+fi
 kill $server; wait $server 2>/dev/null
 $PY -m flexengine.cli bench throughput --model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --num-prompts 256 --input-len 256 \
   --output-len 256 --temperature 0 2>&1 | tee "$OUT/offline_throughput.log"

@@ -145,7 +145,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.loop.add_reader(self.process.outputs.fileno(), self._read)
+        self.loop.add_reader(self.process.reader.fd, self._read)
         self._reading = True
 
     def stop(self) -> None:
@@ -210,17 +210,14 @@ class AsyncEngine:
 
     def _read(self) -> None:
         """Runs on the event loop when the pipe is readable: every message that arrived, in order."""
-        outputs = self.process.outputs
-        while self._reading and outputs.poll():
-            try:
-                message = outputs.recv()
-            except EOFError:
-                self._engine_died(None)
-                return
+        reader = self.process.reader
+        for message in reader.read_available():
             if isinstance(message, EngineFailed):
                 self._engine_died(message.traceback)
                 return
             self._deliver(message)
+        if reader.eof:
+            self._engine_died(None)
 
     def _deliver(self, step: StepOutputs) -> None:
         """Route one step's outputs to their groups (a request aborted meanwhile is skipped: the engine
@@ -291,5 +288,5 @@ class AsyncEngine:
 
     def _stop_reading(self) -> None:
         if self._reading:
-            self.loop.remove_reader(self.process.outputs.fileno())
+            self.loop.remove_reader(self.process.reader.fd)
             self._reading = False

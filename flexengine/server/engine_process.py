@@ -8,7 +8,7 @@ step on the API side, against about 1.3 for a delta (measured at 256 prompt toke
 
     process = EngineProcess.start(config)   # returns once the engine is built
     process.send(EngineInput(new=[NewRequest(...)], aborts=[]))
-    process.outputs.recv()                  # StepOutputs, one per step; EOFError once the child is gone
+    process.reader.read_available()         # StepOutputs, one per step; process.reader.eof once it is gone
     process.stop()                          # closing its input pipe is what tells the child to exit
 
 A thread in the child reads the input pipe all the time, so an abort that arrives mid-step is applied
@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 from flexengine.config import EngineConfig
 from flexengine.outputs import RequestOutput
 from flexengine.sampling_params import SamplingParams
+from flexengine.server.pipe import MessageReader, send_message
 
 logger = logging.getLogger(__name__)
 
@@ -116,18 +117,21 @@ def run_engine(config: EngineConfig, inputs, outputs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log_to_stderr()
     from flexengine.engine.llm_engine import LLMEngine  # here: the API process never loads the model code
+
+    def send(message) -> None:  # whole messages: the API process reads them without blocking (pipe.py)
+        send_message(outputs.fileno(), message)
     try:
         started = time.perf_counter()
         logger.info("engine process %d: building the engine (model %s)", os.getpid(), config.model or "default")
         engine = LLMEngine(config)
-        outputs.send(EngineReady(os.getpid(), engine.tokenizer, engine.max_model_len, snapshot_of(engine),
+        send(EngineReady(os.getpid(), engine.tokenizer, engine.max_model_len, snapshot_of(engine),
                                  time.perf_counter() - started))
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=read_inputs, args=(inputs, inbox), name="flexengine-engine-inputs",
                          daemon=True).start()
-        EngineLoop(engine, inbox, outputs).run()
+        EngineLoop(engine, inbox, send).run()
     except BaseException:
-        outputs.send(EngineFailed(traceback.format_exc()))  # then die loudly as well
+        send(EngineFailed(traceback.format_exc()))  # then die loudly as well
         raise
 
 
@@ -147,8 +151,8 @@ def snapshot_of(engine) -> EngineSnapshot:
 
 
 class EngineLoop:
-    def __init__(self, engine, inbox: queue.SimpleQueue, outputs):
-        self.engine, self.inbox, self.outputs = engine, inbox, outputs
+    def __init__(self, engine, inbox: queue.SimpleQueue, send):
+        self.engine, self.inbox, self.send = engine, inbox, send
 
     def run(self) -> None:
         while True:
@@ -158,7 +162,7 @@ class EngineLoop:
             accepted, refused = self.apply(inputs)
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
             deltas = [d for output in outputs for d in self.deltas(output)]
-            self.outputs.send(StepOutputs(accepted, refused, deltas, snapshot_of(self.engine)))
+            self.send(StepOutputs(accepted, refused, deltas, snapshot_of(self.engine)))
 
     def take_inputs(self) -> list[EngineInput] | None:
         """Everything that arrived since the last step, waiting for it when there is nothing to step;
@@ -192,8 +196,10 @@ class EngineLoop:
 # ---- the API process's handle --------------------------------------------------------------------
 
 class EngineProcess:
-    def __init__(self, process, inputs, outputs, ready: EngineReady):
-        self.process, self.inputs, self.outputs, self.ready = process, inputs, outputs, ready
+    def __init__(self, process, inputs, outputs, reader: MessageReader, ready: EngineReady):
+        self.process, self.inputs, self.ready = process, inputs, ready
+        self.outputs = outputs  # owns the fd that reader reads; only the reader reads it
+        self.reader = reader
 
     @classmethod
     def start(cls, config: EngineConfig) -> "EngineProcess":
@@ -209,21 +215,24 @@ class EngineProcess:
         child_inputs.close()  # the child holds these ends now: its death reads as EOF here
         child_outputs.close()
         logger.info("started the engine process (pid %d); waiting for it to build the engine", process.pid)
-        while not outputs.poll(READY_LOG_EVERY_S):
-            logger.info("engine process still building after %.0f s", time.perf_counter() - started)
-        try:
-            ready = outputs.recv()
-        except EOFError:
+        reader = MessageReader(outputs.fileno())
+        messages = []
+        while not messages and not reader.eof:
+            if not reader.wait(READY_LOG_EVERY_S):
+                logger.info("engine process still building after %.0f s", time.perf_counter() - started)
+            messages = reader.read_available()
+        if not messages:
             process.join()
-            raise RuntimeError(f"the engine process exited (exit code {process.exitcode}) before it was "
-                               f"ready") from None
+            raise RuntimeError(f"the engine process exited (exit code {process.exitcode}) before it was ready")
+        assert len(messages) == 1, "the engine process says nothing after it is ready until it gets a request"
+        ready = messages[0]
         if isinstance(ready, EngineFailed):
             process.join()
             raise RuntimeError(f"the engine process failed while building the engine:\n{ready.traceback}")
         assert isinstance(ready, EngineReady), f"unexpected first message {type(ready).__name__}"
         logger.info("engine ready in %.1f s (engine process %d: %d KV blocks, max_model_len %d)",
                     ready.build_s, ready.pid, ready.snapshot.num_total_blocks, ready.max_model_len)
-        return cls(process, inputs, outputs, ready)
+        return cls(process, inputs, outputs, reader, ready)
 
     @property
     def pid(self) -> int:
@@ -247,10 +256,9 @@ class EngineProcess:
         deadline = time.monotonic() + STOP_TIMEOUT_S
         # Keep reading: a child blocked sending into a full pipe would never see the close.
         while self.process.is_alive() and time.monotonic() < deadline and not self.outputs.closed:
-            if self.outputs.poll(0.05):
-                try:
-                    self.outputs.recv()
-                except EOFError:
+            if self.reader.wait(0.05):
+                self.reader.read_available()
+                if self.reader.eof:
                     break
         self.process.join(max(0.0, deadline - time.monotonic()))
         if self.process.is_alive():
