@@ -82,16 +82,18 @@ if __name__ == "__mp_main__" and os.environ.get(FAKE_STEP_ENV):
 
 # ---- offline ------------------------------------------------------------------------------------------
 
-def run_offline(args) -> float:
-    """Output tokens/s of LLM.generate on the workload (after a small warm-up)."""
+def run_offline(args) -> tuple[float, float]:
+    """Output tokens/s of LLM.generate on the workload (after a small warm-up), and its CPU us per token."""
     from flexengine import LLM
     from flexengine.benchmarks.common import generate_fixed, random_prompts, warm_up
 
     llm = LLM(**engine_flags(args))
     warm_up(llm, args.input_len, 0)
     prompts = random_prompts(args.num_prompts, args.input_len, 256, 0)
+    cpu = time.process_time()
     seconds = generate_fixed(llm, prompts, args.output_len, 0.0)
-    return args.num_prompts * args.output_len / seconds
+    tokens = args.num_prompts * args.output_len
+    return tokens / seconds, 1e6 * (time.process_time() - cpu) / tokens
 
 
 # ---- server and client processes ------------------------------------------------------------------------
@@ -138,14 +140,43 @@ def run_client(args, url: str) -> dict:
         return json.load(open(out.name))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> dict[str, int]:
+    """The server process and its engine process (a spawned child), by role."""
+    tree = {"api": pid}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if parent == pid and b"spawn_main" in cmdline:
+                tree["engine"] = int(entry)
+    return tree
+
+
 def against(role: str, args) -> dict:
+    """The client's metrics against a server of this role, plus each server process's CPU seconds
+    during the run (in "cpu_s")."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
         proc = start(role, args, port, log)
         try:
             wait_ready(proc, url, log)
-            return run_client(args, url)
+            tree = process_tree(proc.pid)
+            before = {role_: cpu_seconds(pid) for role_, pid in tree.items()}
+            metrics = run_client(args, url)
+            metrics["cpu_s"] = {role_: cpu_seconds(pid) - before[role_] for role_, pid in tree.items()}
+            return metrics
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -211,12 +242,12 @@ async def fake_sse(args) -> None:
 
 # ---- report ------------------------------------------------------------------------------------------
 
-def report(args, offline: float | None, served: dict | None, client: dict | None) -> None:
+def report(args, offline: tuple[float, float] | None, served: dict | None, client: dict | None) -> None:
     mode = "tiny model" if args.real_model else f"fake step {args.step_ms} ms + {args.step_us_per_seq} us/seq"
     print(f"# serve overhead | CPU x{os.cpu_count()} | {mode} | {args.num_prompts} prompts x {args.input_len} in "
           f"x {args.output_len} out | request rate {args.request_rate}")
     if offline is not None:
-        print(f"offline engine        {offline:10.0f} output tok/s")
+        print(f"offline engine        {offline[0]:10.0f} output tok/s   CPU {offline[1]:.1f} us per output token")
     if served is not None:
         print(f"server (bench serve)  {served['output_throughput']:10.0f} output tok/s   median TPOT "
               f"{served['median_tpot_ms']:.2f} ms, median TTFT {served['median_ttft_ms']:.0f} ms, "
@@ -224,8 +255,11 @@ def report(args, offline: float | None, served: dict | None, client: dict | None
         chunks = [len(r["itl"]) + 1 for r in served["requests"] if r["success"]]
         print(f"                      {sum(chunks) / len(chunks):10.1f} chunks per request "
               f"(< output len: the server merged tokens that queued up)")
+        tokens = served["total_output_tokens"] or 1
+        cpu = ", ".join(f"{role} process {1e6 * seconds / tokens:.1f}" for role, seconds in served["cpu_s"].items())
+        print(f"CPU us per output token: {cpu} (the initial test request included)")
         if offline is not None:
-            print(f"server / offline      {served['output_throughput'] / offline:10.2f}")
+            print(f"server / offline      {served['output_throughput'] / offline[0]:10.2f}")
     if client is not None:
         print(f"client vs fake SSE server {client['output_throughput']:10.0f} output tok/s   median TPOT "
               f"{client['median_tpot_ms']:.2f} ms (the client's ceiling on this clock)")

@@ -7,7 +7,7 @@ import threading
 
 from hypothesis import given, settings, strategies as st
 
-from flexengine.server.pipe import MessageReader, send_message
+from flexengine.server.pipe import MessageReader, MessageWriter, send_message
 
 PIPE_CAPACITY = 64 * 1024  # Linux's default: a bigger message cannot be in the pipe whole
 
@@ -23,16 +23,22 @@ def read_until_eof(reader: MessageReader) -> tuple[list, int]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 300_000)), min_size=1, max_size=6))
-def test_messages_arrive_whole_and_in_order(specs):
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 300_000)), min_size=1, max_size=6), st.booleans())
+def test_messages_arrive_whole_and_in_order(specs, threaded_writer):
     messages = [{"index": i, "kind": kind, "payload": bytes([i % 251]) * size} for i, (kind, size) in enumerate(specs)]
     read_fd, write_fd = os.pipe()
     reader = MessageReader(read_fd)
     assert not os.get_blocking(read_fd)
 
     def write():
-        for message in messages:
-            send_message(write_fd, message)
+        if threaded_writer:
+            writer = MessageWriter(write_fd, max_pending=2)
+            for message in messages:
+                writer.send(message)
+            writer.close()
+        else:
+            for message in messages:
+                send_message(write_fd, message)
         os.close(write_fd)
 
     writer = threading.Thread(target=write)
@@ -57,3 +63,14 @@ def test_nothing_to_read_returns_no_messages_without_blocking():
     os.close(write_fd)
     assert reader.read_available() == [] and reader.eof
     os.close(read_fd)
+
+
+def test_writer_whose_reader_is_gone_drops_messages_without_blocking():
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    writer = MessageWriter(write_fd, max_pending=1)
+    for i in range(20):  # would block on a full queue if the thread stopped at the broken pipe
+        writer.send({"i": i, "payload": b"x" * 100_000})
+    writer.close()
+    assert writer.broken
+    os.close(write_fd)

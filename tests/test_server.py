@@ -323,9 +323,10 @@ def test_load_limit_answers_429(servers):
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from flexengine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from flexengine.outputs import Logprob  # noqa: E402
 from flexengine.server import protocol, responses  # noqa: E402
-from flexengine.server.async_engine import RequestGroup  # noqa: E402
+from flexengine.server.async_engine import RequestGroup, RequestState  # noqa: E402
+from flexengine.server.engine_process import CompletionDelta  # noqa: E402
 
 REASONS = st.sampled_from([None, "stop", "length", "abort"])
 
@@ -348,37 +349,37 @@ def test_text_chunks_are_the_pydantic_models_json(request_id, model, index, text
     assert chat.text_chunk(index, text, reason) == expected.model_dump_json()
 
 
-def cumulative_outputs(rid: str, texts: list[str], reason: str, logprobs: bool) -> list[RequestOutput]:
-    """What the engine reports for one request, one token (and its text) per step."""
-    outputs = []
-    for step in range(1, len(texts) + 1):
-        ids = list(range(100, 100 + step))
-        lps = [{t: Logprob(-0.5, 1, f"<{t}>")} for t in ids] if logprobs else None
-        done = step == len(texts)
-        outputs.append(RequestOutput(rid, None, [1, 2], [CompletionOutput(
-            0, "".join(texts[:step]), ids, logprobs=lps, finish_reason=reason if done else None)], done))
-    return outputs
+def step_rows(rid: str, texts: list[str], reason: str, logprobs: bool) -> list[CompletionDelta]:
+    """What the engine process sends for one request, one token (and its text) per step."""
+    rows = []
+    for step, text in enumerate(texts):
+        token = 100 + step
+        lps = [{token: Logprob(-0.5, 1, f"<{token}>")}] if logprobs else None
+        rows.append(CompletionDelta(rid, 0, text, [token], lps, None, reason if step == len(texts) - 1 else None,
+                                    None, 0))
+    return rows
 
 
-async def stream_chunks(writer, outputs: list[RequestOutput], batches: list[int]) -> list[dict]:
-    """Stream `outputs` through a RequestGroup, putting `batches[i]` of them in its queue at a time
-    (the handler coalesces what waits there); the parsed chunks."""
+async def stream_chunks(writer, rows: list[CompletionDelta], batches: list[int]) -> list[dict]:
+    """Stream `rows` through a RequestGroup, delivering `batches[i]` of them at a time (the handler
+    merges what waits in its queue); the parsed chunks."""
     import json
-    group = RequestGroup(None, ["r"])
+    group = RequestGroup(None, [RequestState.new("r", 0.0, 1, rows[0].logprobs is not None)])
+    group.states[0].prompt_token_ids = [1, 2]
     chunks = []
 
     async def produce():
         i = 0
         for size in batches:
-            for output in outputs[i:i + size]:
-                group.queue.put_nowait(("r", output))
+            for row in rows[i:i + size]:
+                group.deliver(row)
             i += size
             await asyncio.sleep(0)
-        for output in outputs[i:]:
-            group.queue.put_nowait(("r", output))
+        for row in rows[i:]:
+            group.deliver(row)
 
     producer = asyncio.create_task(produce())
-    async for chunk in writer.stream(group.outputs(), include_usage=True):
+    async for chunk in writer.stream(group, include_usage=True):
         chunks.append(json.loads(chunk))
     await producer
     return chunks
@@ -386,11 +387,17 @@ async def stream_chunks(writer, outputs: list[RequestOutput], batches: list[int]
 
 @settings(max_examples=100, deadline=None)
 @given(texts=st.lists(st.text(max_size=3), min_size=1, max_size=12), reason=st.sampled_from(["stop", "length"]),
-       batches=st.lists(st.integers(1, 5), max_size=12), chat=st.booleans(), logprobs=st.booleans())
-def test_coalesced_deltas_add_up_to_the_token_by_token_stream(texts, reason, batches, chat, logprobs):
-    """Outputs that queue up are sent as one delta: the text, the logprob tokens, the finish reason and
-    the usage chunk (last) are those of the stream sent one output at a time."""
-    outputs = cumulative_outputs("r", texts, reason, logprobs)
+       batches=st.lists(st.integers(1, 5), max_size=12), chat=st.booleans(), logprobs=st.booleans(),
+       empty_at=st.lists(st.integers(0, 12), max_size=3))
+def test_coalesced_deltas_add_up_to_the_token_by_token_stream(texts, reason, batches, chat, logprobs, empty_at):
+    """Rows that queue up are sent as one delta: the text, the logprob tokens, the finish reason and
+    the usage chunk (last) are those of the stream sent one row at a time. Rows that say nothing (a
+    prefill chunk's, or a finished completion's repeated while others run) send nothing."""
+    outputs = step_rows("r", texts, reason, logprobs)
+    for at in sorted(empty_at, reverse=True):
+        outputs.insert(min(at, len(outputs) - 1), outputs[0]._replace(text="", token_ids=[], finish_reason=None,
+                                                                      logprobs=[] if logprobs else None))
+    outputs.append(outputs[-1]._replace(text="", token_ids=[], logprobs=[] if logprobs else None))  # a repeat
 
     def writer():
         if chat:
@@ -422,6 +429,6 @@ def test_coalesced_deltas_add_up_to_the_token_by_token_stream(texts, reason, bat
 
 
 def test_queued_outputs_are_coalesced():
-    outputs = cumulative_outputs("r", ["a", "b", "c", "d"], "length", False)
+    outputs = step_rows("r", ["a", "b", "c", "d"], "length", False)
     chunks = asyncio.run(stream_chunks(responses.CompletionWriter("cmpl-x", "m", 1, None, None), outputs, [3]))
     assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == ["abc", "d"]

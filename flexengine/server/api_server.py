@@ -174,11 +174,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     async def collect(raw: Request, group: RequestGroup) -> list | None:
         """The final RequestOutput of each prompt, or None when the client left before the end."""
-        final = [None] * len(group.request_ids)
         async with abort_on_disconnect(raw, group):
-            async for i, output in group.outputs():
-                final[i] = output
-        return None if group.aborted else final
+            async for _ in group.deltas():
+                pass
+        return None if group.aborted else group.results()
 
     router = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
@@ -197,7 +196,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         writer = responses.CompletionWriter(random_id("cmpl"), model_name, body.n, body.logprobs, tokenizer)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return sse(writer.stream(group.outputs(), usage), group)
+            return sse(writer.stream(group, usage), group)
         final = await collect(raw, group)
         return Response(status_code=499) if final is None else writer.response(final)
 
@@ -219,7 +218,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                       tokenizer)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return sse(writer.stream(group.outputs(), usage), group)
+            return sse(writer.stream(group, usage), group)
         final = await collect(raw, group)
         return Response(status_code=499) if final is None else writer.response(final[0])
 

@@ -3,8 +3,11 @@
 The engine runs in its own process (engine_process.py), so this process's GIL serves the event loop
 alone. Handlers' new requests and aborts are sent in one message per turn of the event loop; the
 engine process answers with one message per step, which the event loop reads when the pipe is
-readable (no thread) and routes to the request groups as cumulative RequestOutputs, as LLMEngine.step
-returns them. An abort reaches the engine process before its next step, which frees the pages.
+readable (no thread) and routes each row (what one completion gained in the step) to its request
+group. A handler gets those rows, not cumulative outputs: rebuilding every request's text and token list
+at every step was the API process's largest cost at 256 streams. Each request's state keeps the totals,
+appended in place, for the final response, the usage and /metrics. An abort reaches the engine process
+before its next step, which frees the pages.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 from flexengine.outputs import CompletionOutput, RequestOutput
 from flexengine.sampling_params import SamplingParams
 from flexengine.server.engine_process import (
-    Accepted, EngineFailed, EngineInput, EngineProcess, EngineSnapshot, NewRequest, StepOutputs)
+    Accepted, CompletionDelta, EngineFailed, EngineInput, EngineProcess, EngineSnapshot, NewRequest, StepOutputs)
 from flexengine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -36,27 +39,84 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class RequestState:
-    """One engine request as this process sees it: timings, and the outputs so far (deltas applied)."""
+    """One engine request as this process sees it: timings, and its outputs so far (rows appended)."""
+    request_id: str
     arrival: float
-    completions: list[CompletionOutput]
+    completions: list[CompletionOutput]  # text stays "" here: the pieces are in texts
+    texts: list[list[str]]
     prompt: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     first_token: float | None = None
     last_token: float | None = None
-    last_output: RequestOutput | None = None
     num_cached_tokens: int = 0
+    num_unfinished: int = 0
+
+    @classmethod
+    def new(cls, request_id: str, arrival: float, n: int, logprobs: bool) -> "RequestState":
+        return cls(request_id, arrival, [CompletionOutput(i, "", [], logprobs=[] if logprobs else None) for i in range(n)],
+                   [[] for _ in range(n)], num_unfinished=n)
+
+    def add(self, row: CompletionDelta) -> bool:
+        """Append one row; False (and nothing appended) when it says nothing new: no token, no text, no
+        finish, or a completion that already finished (the engine repeats finished ones while the
+        request's other completions run)."""
+        c = self.completions[row.index]
+        if c.finish_reason is not None or not (row.token_ids or row.text or row.finish_reason):
+            return False
+        self.texts[row.index].append(row.text)
+        c.token_ids += row.token_ids
+        if row.logprobs is not None:
+            c.logprobs += row.logprobs
+        c.cumulative_logprob, c.finish_reason, c.stop_reason = row.cumulative_logprob, row.finish_reason, row.stop_reason
+        self.num_cached_tokens = row.num_cached_tokens
+        self.num_unfinished -= row.finish_reason is not None
+        return True
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def output(self) -> RequestOutput:
+        """The cumulative RequestOutput, as LLMEngine.step returns it (copies: built once per request)."""
+        completions = [CompletionOutput(c.index, "".join(parts), list(c.token_ids), c.cumulative_logprob,
+                                        None if c.logprobs is None else list(c.logprobs), c.finish_reason, c.stop_reason)
+                       for c, parts in zip(self.completions, self.texts)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
+                             num_cached_tokens=self.num_cached_tokens)
+
+
+def merge(first: CompletionDelta, then: CompletionDelta) -> CompletionDelta:
+    """One row for two consecutive rows of the same completion."""
+    return first._replace(text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
+                          logprobs=None if first.logprobs is None else first.logprobs + then.logprobs,
+                          cumulative_logprob=then.cumulative_logprob, finish_reason=then.finish_reason,
+                          stop_reason=then.stop_reason, num_cached_tokens=then.num_cached_tokens)
 
 
 class RequestGroup:
     """The engine requests of one HTTP request (a completion may carry several prompts)."""
 
-    def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
+    def __init__(self, engine: "AsyncEngine | None", states: list[RequestState]):
         self.engine = engine
-        self.request_ids = request_ids
-        self.index_of = {rid: i for i, rid in enumerate(request_ids)}
+        self.states = states
+        self.request_ids = [state.request_id for state in states]
+        self.index_of = {rid: i for i, rid in enumerate(self.request_ids)}
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.unfinished = set(request_ids)
+        self.unfinished = set(self.request_ids)  # as the handler has seen them (deltas() updates it)
+        # completions whose finish row the handler has not seen yet, per request
+        self.running = {state.request_id: len(state.completions) for state in states}
         self.aborted = False
+
+    def deliver(self, row: CompletionDelta) -> bool:
+        """Append a row to its request's state and queue it for the handler; False when it said nothing."""
+        if not self.states[self.index_of[row.request_id]].add(row):
+            return False
+        self.queue.put_nowait((row.request_id, row))
+        return True
+
+    def results(self) -> list[RequestOutput]:
+        """Each prompt's cumulative output so far (the final ones once deltas() has ended)."""
+        return [state.output() for state in self.states]
 
     @property
     def finished(self) -> bool:
@@ -75,29 +135,33 @@ class RequestGroup:
             assert item is ADDED, f"output before acceptance for {rid}"
             pending.discard(rid)
 
-    async def outputs(self):
-        """Yield (prompt index, RequestOutput) until every request finished or the group was aborted.
+    async def deltas(self):
+        """Yield (prompt index, row) until every request finished or the group was aborted. Each
+        completion's rows are new text and tokens; its last one carries the finish_reason.
 
-        Outputs are cumulative, so when several of one request wait in the queue (the handler fell
-        behind the engine) only the latest is yielded: one delta instead of one per step, which keeps a
-        busy event loop from falling further behind. The latest also carries any finish_reason.
+        When several rows of one completion wait in the queue (the handler fell behind the engine) they
+        are merged into one: one chunk instead of one per step, which keeps a busy event loop from
+        falling further behind.
         """
         while self.unfinished and not self.aborted:
             waiting = [await self.queue.get()]
             while not self.queue.empty():
                 waiting.append(self.queue.get_nowait())
-            latest: dict[str, RequestOutput] = {}
+            merged: dict[tuple[str, int], CompletionDelta] = {}
             for rid, item in waiting:
                 if item is ABORTED:
                     return
                 if isinstance(item, BaseException):
                     self.abort()
                     raise item
-                if item.finished:
-                    self.unfinished.discard(rid)
-                latest[rid] = item
-            for rid, item in latest.items():
-                yield self.index_of[rid], item
+                key = (rid, item.index)
+                merged[key] = merge(merged[key], item) if key in merged else item
+            for (rid, _), row in merged.items():
+                if row.finish_reason is not None:  # once per completion: RequestState.add drops repeats
+                    self.running[rid] -= 1
+                    if not self.running[rid]:
+                        self.unfinished.discard(rid)
+                yield self.index_of[rid], row
 
     def abort(self) -> None:
         """Abort what is still running (client gone, handler cancelled); idempotent."""
@@ -164,15 +228,14 @@ class AsyncEngine:
                 f"server is at its load limit ({self.num_in_flight} requests in flight, limit {limit}); "
                 f"retry later")
         self.metrics.requests_received.inc(len(prompts))
-        request_ids = [f"req-{next(self._ids)}" for _ in prompts]
-        group = RequestGroup(self, request_ids)
         now = time.perf_counter()
-        logprobs = params.logprobs is not None
-        for rid, prompt in zip(request_ids, prompts):
-            self.groups[rid] = group
-            self.requests[rid] = RequestState(now, [CompletionOutput(i, "", [], logprobs=[] if logprobs else None)
-                                                    for i in range(params.n)])
-            self._outbox.new.append(NewRequest(rid, prompt, params))
+        states = [RequestState.new(f"req-{next(self._ids)}", now, params.n, params.logprobs is not None)
+                  for _ in prompts]
+        group = RequestGroup(self, states)
+        for state, prompt in zip(states, prompts):
+            self.groups[state.request_id] = group
+            self.requests[state.request_id] = state
+            self._outbox.new.append(NewRequest(state.request_id, prompt, params))
         self._send_soon()
         return group
 
@@ -204,7 +267,7 @@ class AsyncEngine:
         state = self.requests.pop(request_id)
         if finish_reason is not None:
             self.metrics.observe_finished(state.arrival, state.first_token, state.last_token,
-                                          state.last_output, finish_reason)
+                                          state.output(), finish_reason)
 
     # ---- what the engine process sends ------------------------------------------------------------
 
@@ -231,28 +294,17 @@ class AsyncEngine:
             if group is not None:
                 self._forget(rid, finish_reason=None)
                 group.queue.put_nowait((rid, ValueError(message)))
-        progressed: dict[str, RequestState] = {}
-        gained: set[str] = set()  # requests that got a token this step (for TTFT/TPOT)
-        for delta in step.deltas:
-            state = self.requests.get(delta.request_id)
-            if state is None:
+        for row in step.deltas:
+            group = self.groups.get(row.request_id)
+            if group is None or not group.deliver(row):
                 continue
-            old = state.completions[delta.index]
-            state.completions[delta.index] = CompletionOutput(
-                delta.index, old.text + delta.text, old.token_ids + delta.token_ids,
-                delta.cumulative_logprob, None if delta.logprobs is None else old.logprobs + delta.logprobs,
-                delta.finish_reason, delta.stop_reason)
-            state.num_cached_tokens = delta.num_cached_tokens
-            progressed[delta.request_id] = state
-            if delta.token_ids:
-                gained.add(delta.request_id)
-        for rid, state in progressed.items():
-            output = RequestOutput(rid, state.prompt, state.prompt_token_ids, list(state.completions),
-                                   finished=all(c.finish_reason is not None for c in state.completions),
-                                   num_cached_tokens=state.num_cached_tokens)
-            group = self.groups[rid]
-            self._track(rid, state, output, now, rid in gained)
-            group.queue.put_nowait((rid, output))
+            state = self.requests[row.request_id]
+            if row.token_ids:  # for TTFT and TPOT
+                if state.first_token is None:
+                    state.first_token = now
+                state.last_token = now
+            if state.finished:
+                self._forget(row.request_id, finish_reason=state.completions[0].finish_reason)
 
     def _accept(self, accepted: Accepted) -> None:
         state = self.requests.get(accepted.request_id)
@@ -260,16 +312,6 @@ class AsyncEngine:
             return
         state.prompt, state.prompt_token_ids = accepted.prompt, accepted.prompt_token_ids
         self.groups[accepted.request_id].queue.put_nowait((accepted.request_id, ADDED))
-
-    def _track(self, rid: str, state: RequestState, output: RequestOutput, now: float, gained: bool) -> None:
-        if gained:
-            if state.first_token is None:
-                state.first_token = now
-            state.last_token = now
-        state.last_output = output
-        if output.finished:
-            reason = output.outputs[0].finish_reason if output.outputs else "stop"
-            self._forget(rid, finish_reason=reason or "stop")
 
     def _engine_died(self, failure: str | None) -> None:
         """Fail every request in flight loudly instead of leaving handlers waiting forever."""

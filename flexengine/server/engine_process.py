@@ -13,7 +13,8 @@ step on the API side, against about 1.3 for a delta (measured at 256 prompt toke
 
 A thread in the child reads the input pipe all the time, so an abort that arrives mid-step is applied
 before the next step, and the child never stops reading while it waits to send (were both pipes full,
-each side would wait on the other). The child also exits when the API process dies: its input pipe
+each side would wait on the other). Another pickles and writes the step messages (pipe.MessageWriter),
+so the next step starts without waiting for them. The child also exits when the API process dies: its input pipe
 then reads EOF.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 from flexengine.config import EngineConfig
 from flexengine.outputs import RequestOutput
 from flexengine.sampling_params import SamplingParams
-from flexengine.server.pipe import MessageReader, send_message
+from flexengine.server.pipe import MessageReader, MessageWriter
 
 logger = logging.getLogger(__name__)
 
@@ -117,15 +118,14 @@ def run_engine(config: EngineConfig, inputs, outputs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log_to_stderr()
     from flexengine.engine.llm_engine import LLMEngine  # here: the API process never loads the model code
-
-    def send(message) -> None:  # whole messages: the API process reads them without blocking (pipe.py)
-        send_message(outputs.fileno(), message)
+    writer = MessageWriter(outputs.fileno())  # whole messages, which the API process reads without blocking
+    send = writer.send
     try:
         started = time.perf_counter()
         logger.info("engine process %d: building the engine (model %s)", os.getpid(), config.model or "default")
         engine = LLMEngine(config)
         send(EngineReady(os.getpid(), engine.tokenizer, engine.max_model_len, snapshot_of(engine),
-                                 time.perf_counter() - started))
+                         time.perf_counter() - started))
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=read_inputs, args=(inputs, inbox), name="flexengine-engine-inputs",
                          daemon=True).start()
@@ -133,6 +133,8 @@ def run_engine(config: EngineConfig, inputs, outputs) -> None:
     except BaseException:
         send(EngineFailed(traceback.format_exc()))  # then die loudly as well
         raise
+    finally:
+        writer.close()
 
 
 def read_inputs(inputs, inbox: queue.SimpleQueue) -> None:

@@ -8,6 +8,7 @@ is written in two parts. So the reading side takes whatever bytes are there and 
 messages; the writing side (the engine process, blocking fd) writes each message in full.
 
     send_message(fd, obj)             # writer: blocks until all of it is in the pipe
+    writer = MessageWriter(fd)        # or: pickled and written by a thread; writer.close() flushes
     reader = MessageReader(fd)        # reader: makes fd non-blocking
     reader.read_available()           # the whole messages readable now, in order; reader.eof once closed
 """
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import select
 import struct
+import threading
 
 _LENGTH = struct.Struct("!Q")
 _READ_SIZE = 1 << 20
@@ -27,6 +30,36 @@ def send_message(fd: int, message) -> None:
     view = memoryview(_LENGTH.pack(len(data)) + data)
     while view:
         view = view[os.write(fd, view):]
+
+
+class MessageWriter:
+    """send_message on a thread of its own: the engine's next step does not wait for the pickling or
+    for a full pipe (the GIL is free while the GPU runs a step). At most max_pending messages wait;
+    past that, send blocks, which is the backpressure a slow reader should exert."""
+
+    def __init__(self, fd: int, max_pending: int = 8):
+        self.fd = fd
+        self.pending: queue.Queue = queue.Queue(max_pending)
+        self.broken = False  # the reader is gone: later messages are dropped, never block the sender
+        self.thread = threading.Thread(target=self._write, name="flexengine-outputs", daemon=True)
+        self.thread.start()
+
+    def send(self, message) -> None:
+        self.pending.put(message)
+
+    def close(self) -> None:
+        """Write everything sent so far, then stop the thread."""
+        self.pending.put(None)
+        self.thread.join()
+
+    def _write(self) -> None:
+        while (message := self.pending.get()) is not None:
+            if self.broken:
+                continue
+            try:
+                send_message(self.fd, message)
+            except BrokenPipeError:
+                self.broken = True
 
 
 class MessageReader:

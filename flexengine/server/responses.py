@@ -12,6 +12,7 @@ import time
 from typing import AsyncIterator
 
 from flexengine.outputs import CompletionOutput, Logprob, RequestOutput
+from flexengine.server.async_engine import RequestGroup
 from flexengine.server.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionResponse, DeltaMessage,
@@ -62,28 +63,6 @@ def ranked(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return items[:k]
 
 
-class DeltaTracker:
-    """What each choice gained since the last chunk (engine text and token ids are cumulative)."""
-
-    def __init__(self):
-        self.text_len: dict[int, int] = {}
-        self.num_tokens: dict[int, int] = {}
-        self.done: set[int] = set()
-
-    def step(self, index: int, c: CompletionOutput) -> tuple[str, int, int] | None:
-        """(new text, first new token, end) or None when this choice has nothing new to send."""
-        if index in self.done:
-            return None
-        start_tok = self.num_tokens.get(index, 0)
-        if len(c.token_ids) == start_tok and c.finish_reason is None:
-            return None
-        start_text = self.text_len.get(index, 0)
-        self.text_len[index], self.num_tokens[index] = len(c.text), len(c.token_ids)
-        if c.finish_reason is not None:
-            self.done.add(index)
-        return c.text[start_text:], start_tok, len(c.token_ids)
-
-
 class CompletionWriter:
     def __init__(self, request_id: str, model: str, n: int, logprobs: int | None, tokenizer):
         self.id, self.model, self.n, self.logprobs, self.tokenizer = request_id, model, n, logprobs, tokenizer
@@ -95,11 +74,11 @@ class CompletionWriter:
         return (f'{self.head}{{"index":{index},"text":{dumps(text)},"logprobs":null,'
                 f'"finish_reason":{dumps(finish_reason)}}}],"usage":null}}')
 
-    def _logprobs(self, c: CompletionOutput, start: int, end: int, text_offset: int) -> CompletionLogprobs | None:
-        if self.logprobs is None or c.logprobs is None:
+    def _logprobs(self, token_ids: list[int], logprobs: list | None, text_offset: int) -> CompletionLogprobs | None:
+        if self.logprobs is None or logprobs is None:
             return None
         out = CompletionLogprobs()
-        for tid, entries in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        for tid, entries in zip(token_ids, logprobs):
             token = token_text(self.tokenizer, tid, entries.get(tid))
             out.tokens.append(token)
             out.token_logprobs.append(entries[tid].logprob)
@@ -111,30 +90,25 @@ class CompletionWriter:
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         choices = [CompletionChoice(index=i * self.n + c.index, text=c.text, finish_reason=c.finish_reason,
-                                    logprobs=self._logprobs(c, 0, len(c.token_ids), 0))
+                                    logprobs=self._logprobs(c.token_ids, c.logprobs, 0))
                    for i, output in enumerate(finals) for c in output.outputs]
         return CompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of(finals))
 
-    async def stream(self, outputs: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
-        """JSON chunks: one per choice that gained text or finished since the last, then the usage."""
-        tracker, last = DeltaTracker(), {}
-        async for i, output in outputs:
-            last[i] = output
-            for c in output.outputs:
-                index = i * self.n + c.index
-                offset = tracker.text_len.get(index, 0)
-                delta = tracker.step(index, c)
-                if delta is None:
-                    continue
-                text, start, end = delta
-                logprobs = self._logprobs(c, start, end, offset)
-                if logprobs is None:
-                    yield self.text_chunk(index, text, c.finish_reason)
-                    continue
-                choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason, logprobs=logprobs)
-                yield self._chunk([choice])
+    async def stream(self, group: RequestGroup, include_usage: bool) -> AsyncIterator[str]:
+        """JSON chunks: one per choice that gained tokens or finished since the last, then the usage."""
+        text_len: dict[int, int] = {}  # per choice: text sent so far (the logprobs' text_offset)
+        async for i, row in group.deltas():
+            index = i * self.n + row.index
+            if self.logprobs is None:
+                yield self.text_chunk(index, row.text, row.finish_reason)
+                continue
+            offset = text_len.get(index, 0)
+            text_len[index] = offset + len(row.text)
+            choice = CompletionChoice(index=index, text=row.text, finish_reason=row.finish_reason,
+                                      logprobs=self._logprobs(row.token_ids, row.logprobs, offset))
+            yield self._chunk([choice])
         if include_usage:
-            yield self._chunk([], usage_of(list(last.values())))
+            yield self._chunk([], usage_of(group.results()))
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -157,41 +131,34 @@ class ChatWriter:
         token = token_text(self.tokenizer, token_id, lp)
         return dict(token=token, logprob=lp.logprob, bytes=list(token.encode("utf-8")))
 
-    def _logprobs(self, c: CompletionOutput, start: int, end: int) -> ChatLogprobs | None:
-        if c.logprobs is None:
+    def _logprobs(self, token_ids: list[int], logprobs: list | None) -> ChatLogprobs | None:
+        if logprobs is None:
             return None
         content = [TokenLogprob(**self._entry(tid, entries[tid]),
                                 top_logprobs=[TopLogprob(**self._entry(t, lp)) for t, lp in ranked(entries, self.top)])
-                   for tid, entries in zip(c.token_ids[start:end], c.logprobs[start:end])]
+                   for tid, entries in zip(token_ids, logprobs)]
         return ChatLogprobs(content=content)
 
     def response(self, final: RequestOutput) -> ChatCompletionResponse:
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              finish_reason=c.finish_reason, logprobs=self._logprobs(c, 0, len(c.token_ids)))
+                              finish_reason=c.finish_reason, logprobs=self._logprobs(c.token_ids, c.logprobs))
                    for c in final.outputs]
         return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of([final]))
 
-    async def stream(self, outputs: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
-        """JSON chunks: the role, one per choice that gained text or finished since the last, the usage."""
+    async def stream(self, group: RequestGroup, include_usage: bool) -> AsyncIterator[str]:
+        """JSON chunks: the role, one per choice that gained tokens or finished since the last, the usage."""
         # OpenAI opens every choice with the assistant role and empty content.
         for index in range(self.n):
             yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-        tracker, last = DeltaTracker(), None
-        async for _, output in outputs:
-            last = output
-            for c in output.outputs:
-                delta = tracker.step(c.index, c)
-                if delta is None:
-                    continue
-                text, start, end = delta
-                logprobs = self._logprobs(c, start, end)
-                if logprobs is None:
-                    yield self.text_chunk(c.index, text, c.finish_reason)
-                    continue
-                yield self._chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text),
-                                                    finish_reason=c.finish_reason, logprobs=logprobs)])
+        async for _, row in group.deltas():
+            logprobs = self._logprobs(row.token_ids, row.logprobs)
+            if logprobs is None:
+                yield self.text_chunk(row.index, row.text, row.finish_reason)
+                continue
+            yield self._chunk([ChatStreamChoice(index=row.index, delta=DeltaMessage(content=row.text),
+                                                finish_reason=row.finish_reason, logprobs=logprobs)])
         if include_usage:
-            yield self._chunk([], usage_of([last]))
+            yield self._chunk([], usage_of(group.results()))
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
