@@ -4,7 +4,7 @@
 #   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
 # Stages: tests (pytest -m gpu), attention (kernel table), compare (flexengine vs transformers
 # generate_batch, 256 x 256 x 256), throughput, latency (batch 1), eager (throughput and latency with
-# --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py), fa4 (install the
+# --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), fa4 (install the
 # carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages still run
 # without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto, flash). The
 # end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
@@ -64,7 +64,7 @@ for stage in ${*:-tests attention compare latency}; do
                step "fa4_$backend" "$left" env PYTHONPATH="$FA4_PATH" OUT="$OUT/fa4_$backend" STEPS="throughput latency" \
                  BUDGET="$left" ENGINE_ARGS="${ENGINE_ARGS:-} --attention-backend $backend" bash scripts/e2e_bench.sh
              done; fi ;;
-    profile) model && step profile 240 python3 scripts/profile_step.py --model "$MODEL_DIR" ;;
+    profile) model && step profile 240 python3 scripts/profile_step.py --model "$MODEL_DIR" ${PROFILE_ARGS:-} ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -1,12 +1,16 @@
 """Where the time of a step goes, on a GPU box: wall time per kind of step over a throughput run, then a
-kernel profile of pure decode steps at a few batch sizes (GPU busy time against wall time per step).
+kernel profile of pure decode steps at a few batch sizes (GPU busy time against wall time per step), and
+of one step that adds a prompt to a running decode batch (what a request arriving at a server costs the
+requests already streaming).
 
     python3 scripts/profile_step.py --model /tmp/llama1b [--num-prompts 256 --input-len 256 --output-len 256]
+    python3 scripts/profile_step.py --model /tmp/llama1b --request-rate 16   # arrivals as a server sees them
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import time
 
 import torch
@@ -26,12 +30,22 @@ def device_us(event) -> float:
     return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
 
 
-def step_kinds(llm, prompts, output_len: int) -> None:
-    """Run the workload step by step; print wall time per kind of step."""
+def step_kinds(llm, prompts, output_len: int, request_rate: float) -> None:
+    """Run the workload step by step; print wall time per kind of step. With a finite request_rate the
+    prompts arrive at Poisson times and stream their outputs (delta=True), as the server runs them."""
     engine = llm.llm_engine
-    for i, p in enumerate(prompts):
-        engine.add_request(f"w{i}", {"prompt_token_ids": p},
-                           SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0), final_only=True)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0)
+    gaps = torch.distributions.Exponential(request_rate).sample((len(prompts),)).tolist() if request_rate < float("inf") \
+        else [0.0] * len(prompts)
+    arrivals = list(itertools.accumulate(gaps))
+    pending = collections.deque(zip(arrivals, prompts))
+    streaming = request_rate < float("inf")
+
+    def admit(now: float) -> None:
+        while pending and pending[0][0] <= now:
+            _, p = pending.popleft()
+            engine.add_request(f"w{len(prompts) - len(pending)}", {"prompt_token_ids": p}, params,
+                               final_only=not streaming, delta=streaming)
     kinds = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])  # kind -> [steps, seconds, tokens, slowest]
     schedule = engine.scheduler.schedule
     last = {}
@@ -42,7 +56,11 @@ def step_kinds(llm, prompts, output_len: int) -> None:
 
     engine.scheduler.schedule = recording_schedule
     before, start = compile_count(), time.perf_counter()
-    while engine.has_unfinished_requests():
+    while pending or engine.has_unfinished_requests():
+        admit(time.perf_counter() - start)
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
+            continue
         t = time.perf_counter()
         engine.step()
         batch = last["batch"]
@@ -56,8 +74,8 @@ def step_kinds(llm, prompts, output_len: int) -> None:
         row[3] = max(row[3], time.perf_counter() - t)
     total = time.perf_counter() - start
     engine.scheduler.schedule = schedule
-    print(f"# {len(prompts)} prompts: {total:.2f} s, {len(prompts) * output_len / total:.0f} output tok/s, "
-          f"{compile_count() - before} graphs compiled during the run")
+    print(f"# {len(prompts)} prompts at request rate {request_rate}: {total:.2f} s, "
+          f"{len(prompts) * output_len / total:.0f} output tok/s, {compile_count() - before} graphs compiled during the run")
     print("| step kind | steps | ms per step | slowest ms | share of time | tokens per step |")
     print("|---|---|---|---|---|---|")
     for kind in sorted(kinds):
@@ -101,6 +119,36 @@ def profile_decode(llm, batch: int, input_len: int, steps: int = 8) -> None:
         print(f"| {name[:70]} | {count / steps:.0f} | {us / steps:.0f} |")
 
 
+def profile_arrival(llm, batch: int, input_len: int) -> None:
+    """Profile the one step that prefills a new prompt next to `batch` decoding requests."""
+    engine = llm.llm_engine
+    prompts = random_prompts(batch + 1, input_len, engine.vocab_size, seed=1000 + batch)
+    ids = [f"a{batch}-{i}" for i in range(batch + 1)]
+    params = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0)
+    for rid, p in zip(ids[:batch], prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, params, final_only=True)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    sync()
+    engine.add_request(ids[-1], {"prompt_token_ids": prompts[-1]}, params, final_only=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        wall = (time.perf_counter() - start) * 1e6
+    for rid in ids:
+        engine.abort_request(rid)
+    kernels = [(device_us(e), e.count, e.key) for e in prof.key_averages() if device_us(e) > 0]
+    busy = sum(k[0] for k in kernels)
+    print(f"# one {input_len}-token prompt arriving at {batch} decoding requests: wall {wall:.0f} us for the step, "
+          f"GPU busy {busy:.0f} us ({busy / wall:.0%}), {sum(k[1] for k in kernels)} kernels")
+    print("| kernel | count | us |")
+    print("|---|---|---|")
+    for us, count, name in sorted(kernels, reverse=True)[:10]:
+        print(f"| {name[:70]} | {count} | {us:.0f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model, for a CPU try)")
@@ -108,6 +156,10 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--decode-batches", default="1,64,256")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="prompts arrive at this Poisson rate (per second) and stream, as at a server")
+    p.add_argument("--arrival-batch", type=int, default=32,
+                   help="decoding requests next to the arriving prompt in the profiled arrival step (0: skip)")
     args = p.parse_args()
     start = time.perf_counter()
     llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "auto")
@@ -117,9 +169,12 @@ def main() -> None:
           f"decode graphs {'on' if runner.decode_graphs else 'off'}")
     llm.generate(as_requests(random_prompts(4, args.input_len, llm.llm_engine.vocab_size, 1)),
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    step_kinds(llm, random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, 0), args.output_len)
+    step_kinds(llm, random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, 0), args.output_len,
+               args.request_rate)
     for b in map(int, args.decode_batches.split(",")):
         profile_decode(llm, b, args.input_len)
+    if args.arrival_batch:
+        profile_arrival(llm, args.arrival_batch, args.input_len)
 
 
 if __name__ == "__main__":
