@@ -147,6 +147,11 @@ def profile_arrival(llm, batch: int, input_len: int) -> None:
     print("|---|---|---|")
     for us, count, name in sorted(kernels, reverse=True)[:10]:
         print(f"| {name[:70]} | {count} | {us:.0f} |")
+    host = sorted(((e.self_cpu_time_total, e.count, e.key) for e in prof.key_averages()), reverse=True)[:12]
+    print("| host op (self CPU time) | count | us |")
+    print("|---|---|---|")
+    for us, count, name in host:
+        print(f"| {name[:70]} | {count} | {us:.0f} |")
 
 
 def main() -> None:

@@ -1,6 +1,12 @@
 import pytest
 import torch
 
+# Uninitialized memory (torch.empty and friends) reads as NaN in every test, so a result that
+# depends on it fails here instead of passing by luck: a padding row nobody wrote once did. Torch
+# fills it only in deterministic mode; warn_only keeps ops without a deterministic variant running.
+torch.use_deterministic_algorithms(True, warn_only=True)
+torch.utils.deterministic.fill_uninitialized_memory = True
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo_for_gpu_tests(request):

@@ -6,6 +6,7 @@ from flexengine import LLM, SamplingParams
 from flexengine.compile import compile_count
 from flexengine.compile import decode_buckets
 from flexengine.compile.cuda_graphs import DecodeGraphRunner
+from flexengine.compile.mixed_graphs import MixedGraphRunner, MixedKey
 from flexengine.engine.scheduler import ScheduledBatch
 from flexengine.engine.sequence import Sequence
 
@@ -37,6 +38,40 @@ def test_static_buffer_decode_matches_the_ordinary_step():
             expected = r.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
             got = g.run(*r.prepare_decode(seqs))
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def chunk_seq(i, n, computed, pages):
+    """A request with `computed` of its n tokens in the cache; the step computes the rest."""
+    s = fake_seq(i, n, pages)
+    s.num_computed_tokens = computed
+    return s
+
+
+def test_static_buffer_mixed_step_matches_the_ordinary_step():
+    """The mixed-graph function, run eagerly: prompt chunks next to decode rows, tokens padded to the
+    key's capacity (padding writes the scratch page), one key's buffers reused by a second step."""
+    llm = LLM(block_size=8, num_kv_blocks=32, enforce_eager=True)
+    r = llm.llm_engine.runner
+    g = MixedGraphRunner(r.run_model, r.backend, r.mods, rows=3, table_width=r.table_width, block_size=8,
+                         num_blocks=r.num_blocks + 1, params={}, scratch_slot=r.num_blocks * 8, device="cpu")
+    steps = [  # (sequences, new tokens each)
+        ([chunk_seq(0, 20, 19, [3, 9, 4]), chunk_seq(1, 30, 0, [7, 2, 5, 6]), chunk_seq(2, 9, 8, [12, 1])], [1, 30, 1]),
+        ([chunk_seq(3, 12, 11, [8, 10]), chunk_seq(4, 25, 17, [11, 13, 14, 15]), chunk_seq(5, 4, 3, [16])], [1, 8, 1]),
+        ([chunk_seq(6, 140, 0, list(range(14, 32))), chunk_seq(7, 2, 1, [0]), chunk_seq(8, 50, 40, list(range(1, 8)))],
+         [140, 1, 10]),
+    ]
+    keys = set()
+    for seqs, new in steps:
+        batch = ScheduledBatch(seqs, new)
+        with torch.inference_mode():
+            inputs = r.prepare_step(batch, sampling=False)
+            expected = r.run_model(inputs.input_ids, inputs.positions, inputs.meta)
+            p = r.pack_step(batch)
+            assert g.fits(p.layout)
+            got = g.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout, {})
+        keys.add(MixedKey.of(p.layout))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert len(keys) < len(steps), "no step reused a key's buffers"
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

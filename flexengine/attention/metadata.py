@@ -49,6 +49,9 @@ class StepLayout:
     prefill_dst: np.ndarray    # packed token index to write the output to (padding writes row num_tokens)
     decode_src: np.ndarray     # per decode row (num_decode * decode_splits)
     decode_dst: np.ndarray     # per decode request
+    # The step's tokens are followed by padding tokens no tile covers (a mixed CUDA graph's capacity):
+    # their attention rows must still be defined, or they carry garbage into the K/V they write.
+    padded_tokens: bool = False
 
     @property
     def decode_req(self) -> np.ndarray:
@@ -178,7 +181,7 @@ def to_device(array: np.ndarray, device) -> torch.Tensor:
     return t
 
 
-_LAYOUT_FIELDS = ("decode_req", "tile_req", "tile_q_lo", "tile_q_hi", "tile_valid", "tile_split", "prefill_req", "prefill_pos",
+LAYOUT_FIELDS = ("decode_req", "tile_req", "tile_q_lo", "tile_q_hi", "tile_valid", "tile_split", "prefill_req", "prefill_pos",
                   "prefill_src", "prefill_dst", "decode_src", "decode_dst")
 
 
@@ -187,9 +190,9 @@ def build_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapp
                    params: dict[str, torch.Tensor] | None = None) -> AttentionMetadata:
     """Ship the layout in ONE host→device copy (pinned on CUDA), then build the page map on the device."""
     device = block_tables.device
-    arrays = [np.asarray(getattr(layout, f), dtype=np.int64) for f in _LAYOUT_FIELDS]
+    arrays = [np.asarray(getattr(layout, f), dtype=np.int64) for f in LAYOUT_FIELDS]
     packed = to_device(np.concatenate(arrays), device)
-    views = dict(zip(_LAYOUT_FIELDS, packed.split([len(a) for a in arrays])))
+    views = dict(zip(LAYOUT_FIELDS, packed.split([len(a) for a in arrays])))
     views["tile_valid"] = views["tile_valid"].bool()
     return AttentionMetadata(
         layout=layout, block_size=block_size, num_blocks=num_blocks,

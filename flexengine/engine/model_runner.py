@@ -2,6 +2,7 @@
 
 A step is three functions named for what they do:
   prepare_step(batch) -> StepInputs    host lists → device tensors (one transfer each) + metadata (once)
+                                       (pack_step is its host half; a mixed CUDA graph takes that directly)
   run_model(input_ids, positions, meta) -> hidden   the only call the compile layer needs to wrap
   sample(hidden, inputs) -> SamplerOutput           logits only for rows that need a token
 """
@@ -17,7 +18,7 @@ import torch
 
 from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
-from ..attention.metadata import AttentionMetadata, build_metadata, plan_layout, to_device
+from ..attention.metadata import AttentionMetadata, StepLayout, build_metadata, plan_layout, to_device
 from ..compile import fused_elementwise
 from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN_CAP, MAX_KV_POOL_ELEMENTS,
                       EngineConfig)
@@ -37,6 +38,19 @@ class StepInputs:
     sample_seqs: list[Sequence]       # sequences that get a token this step, in row order
     sample_rows: torch.Tensor         # int64 [N]: their last token's row in the packed batch
     sampling: SamplingTensors | None
+
+
+@dataclass
+class PackedStep:
+    """One step's inputs on the host, before any device work."""
+    ids: np.ndarray                   # int64 [T]
+    positions: np.ndarray             # int64 [T]
+    slots: np.ndarray                 # int64 [T]
+    tables: np.ndarray                # int32 [rows, width]
+    seq_lens: np.ndarray              # int32 [rows]; 0 for padding rows
+    layout: StepLayout
+    sample_seqs: list[Sequence]
+    sample_rows: np.ndarray           # int64 [N]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -101,7 +115,7 @@ class ModelRunner:
         self.attach_kv_cache(self.kv_cache)
         # A fixed table width keeps every compiled shape (and stride) the same from step to step.
         self.table_width = -(-self.max_model_len // self.block_size)
-        self.decode_graphs = None
+        self.decode_graphs = self.mixed_graphs = None
         if self.static_shapes:
             from ..compile import allow_recompiles
             from ..compile.warmup import shape_classes, warm_up_steps
@@ -110,6 +124,7 @@ class ModelRunner:
             logger.info("warm-up (compiles every step shape): %.1f s", warm_up_steps(self, decode=not self.compiled))
             if self.compiled:
                 self.decode_graphs = self.capture_decode_graphs()
+                self.mixed_graphs = self.mixed_graph_runner(self.decode_graphs.pool)
         elif self.compiled:  # flash: unpadded steps, no graphs; the compiled layer regions are dynamic in T
             from ..compile.warmup import warm_up_unpadded
             logger.info("warm-up (compiled layers, %s kernels): %.1f s", self.backend.name, warm_up_unpadded(self))
@@ -198,8 +213,8 @@ class ModelRunner:
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
 
-    def prepare_step(self, batch: ScheduledBatch, sampling: bool = True) -> StepInputs:
-        """Pack the scheduled tokens: ids, positions, slots, block tables, lengths; build the metadata once."""
+    def pack_step(self, batch: ScheduledBatch) -> PackedStep:
+        """The scheduled tokens as host arrays: ids, positions, slots, block tables, lengths, layout."""
         P, seqs = self.block_size, batch.seqs
         R = len(seqs)
         query_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
@@ -221,21 +236,24 @@ class ModelRunner:
         slots = tables[req, positions // P].astype(np.int64) * P + positions % P
 
         layout = plan_layout(batch.num_new_tokens, seq_lens.tolist(), **self.layout_padding(batch.num_new_tokens))
-        num_blocks = self.layers[0].k_cache.shape[0]  # the attached cache (a scratch one while profiling)
         padded_lens = np.zeros(rows, dtype=np.int32)
         padded_lens[:R] = seq_lens
-        meta = build_metadata(self.to_device(tables), self.to_device(padded_lens),
-                              self.to_device(slots), layout, P, num_blocks, self.attention_params(seqs, rows))
-        meta.backend = self.backend
-        self.backend.prepare(meta, self.mods)
-
         # A sequence gets a token when this step computes its last known token (its prompt is done).
         done = [i for i, s in enumerate(seqs) if seq_lens[i] == s.num_tokens]
-        sample_seqs = [seqs[i] for i in done]
+        return PackedStep(ids, positions, slots, tables, padded_lens, layout, [seqs[i] for i in done], ends[done] - 1)
+
+    def prepare_step(self, batch: ScheduledBatch, sampling: bool = True) -> StepInputs:
+        """pack_step, then the device half: one transfer per array, and the metadata built once."""
+        p = self.pack_step(batch)
+        num_blocks = self.layers[0].k_cache.shape[0]  # the attached cache (a scratch one while profiling)
+        meta = build_metadata(self.to_device(p.tables), self.to_device(p.seq_lens), self.to_device(p.slots),
+                              p.layout, self.block_size, num_blocks, self.attention_params(batch.seqs, len(p.seq_lens)))
+        meta.backend = self.backend
+        self.backend.prepare(meta, self.mods)
         return StepInputs(
-            input_ids=self.to_device(ids), positions=self.to_device(positions), meta=meta,
-            sample_seqs=sample_seqs, sample_rows=self.to_device(ends[done] - 1),
-            sampling=self.sampling_tensors(sample_seqs) if sampling and sample_seqs else None)
+            input_ids=self.to_device(p.ids), positions=self.to_device(p.positions), meta=meta,
+            sample_seqs=p.sample_seqs, sample_rows=self.to_device(p.sample_rows),
+            sampling=self.sampling_tensors(p.sample_seqs) if sampling and p.sample_seqs else None)
 
     def layout_padding(self, query_lens: list[int]) -> dict:
         """With static shapes, pad decode rows and prefill tiles to the compiled buckets (the split-KV
@@ -302,6 +320,15 @@ class ModelRunner:
                     graphs.buckets, graphs.capture_seconds, graphs.graph_bytes / 2 ** 20)
         return graphs
 
+    def mixed_graph_runner(self, pool):
+        """Graphs for steps with prompt tokens, captured as traffic meets their layouts (compile/mixed_graphs.py)."""
+        from ..compile.mixed_graphs import MixedGraphRunner
+        return MixedGraphRunner(
+            self.run_model, self.backend, self.mods, rows=self.config.max_num_seqs, table_width=self.table_width,
+            block_size=self.block_size, num_blocks=self.num_blocks + 1,
+            params={name: p.dtype for name, p in sorted(self.mod_params.items())},
+            scratch_slot=self.num_blocks * self.block_size, device=self.device, pool=pool)
+
     def prepare_decode(self, seqs: list[Sequence]):
         """Pure decode: ids, positions, slots, lengths and tables in ONE host→device copy.
 
@@ -330,6 +357,15 @@ class ModelRunner:
         if self.decode_with_graphs(batch):
             logits = self.decode_graphs.run(*self.prepare_decode(batch.seqs))
             return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs))
+        if self.mixed_graphs is not None:
+            p = self.pack_step(batch)
+            if self.mixed_graphs.fits(p.layout):
+                hidden = self.mixed_graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
+                                               self.attention_params(batch.seqs, len(p.seq_lens)))
+                if not p.sample_seqs:
+                    return [], None
+                logits = self.model.compute_logits(hidden[self.to_device(p.sample_rows)])
+                return p.sample_seqs, self.sampler(logits, self.sampling_tensors(p.sample_seqs))
         inputs = self.prepare_step(batch)
         hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seqs:

@@ -218,7 +218,8 @@ class FlexBackend:
         gqa = Hq != Hkv
         # the kernel's kv tile must divide the page; default tiles can be 128 wide
         opts = {"kernel_options": {"BLOCK_N": P}} if P < 128 else {}
-        out = query.new_empty(T + 1, Hq, D)  # row T swallows padding rows
+        # row T swallows padding rows; padding tokens (lay.padded_tokens) get zeros
+        out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)
         if lay.num_decode:
             qd = query[meta.decode_src].unsqueeze(2)  # [Bd * S, Hq, 1, D]
             S = lay.decode_splits

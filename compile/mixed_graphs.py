@@ -1,0 +1,153 @@
+"""CUDA graphs for steps that carry prompt tokens: a prompt arriving at a busy server, a chunk of one.
+
+Without a graph such a step launches every kernel of the model from Python: about 800 launches, 25 ms
+of host time for 6 ms of GPU work when one 256-token prompt joins 32 decoding requests on the H100
+(docs/benchmarks.md). Every decoding request waits for that step, so it set the server's TPOT.
+
+A graph's shapes are fixed by the step's layout buckets (decode rows, their split-KV count, prefill
+tiles): the tokens are padded to `num_decode + num_tiles * Q_TILE`, padded tokens write their K/V to
+the scratch slot, and the page lists and BlockMasks are built on the device inside the graph from
+static buffers, as in the decode graphs. The host packs the step into ONE array and copies it in.
+A graph is captured the first time its key is met (that step runs the same code eagerly and uses its
+result), so only the layouts that traffic produces cost memory. Steps with more than `max_tiles`
+prefill tiles run without a graph: their launches are spread over many tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention.metadata import LAYOUT_FIELDS, Q_TILE, AttentionMetadata, StepLayout, build_phys_to_logical
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_TILES = 8  # prefill tiles (1,024 prompt tokens) the largest mixed graph holds
+
+
+@dataclass(frozen=True)
+class MixedKey:
+    num_decode: int  # decode requests, padded to a decode bucket
+    splits: int      # split-KV rows per decode request
+    num_tiles: int   # prefill tiles, padded to a power of two
+
+    @classmethod
+    def of(cls, layout: StepLayout) -> "MixedKey":
+        return cls(layout.num_decode, layout.decode_splits, layout.num_tiles)
+
+    @property
+    def num_tokens(self) -> int:
+        """Token capacity: one per decode request plus whole tiles."""
+        return self.num_decode + self.num_tiles * Q_TILE
+
+    def field_sizes(self) -> dict[str, int]:
+        """Length of each layout array for this key (metadata.plan_layout's padding)."""
+        rows, tiles = self.num_decode * self.splits, self.num_decode * self.splits + self.num_tiles
+        prefill = self.num_tiles * Q_TILE
+        return {"decode_req": rows, "tile_req": tiles, "tile_q_lo": tiles, "tile_q_hi": tiles, "tile_valid": tiles,
+                "tile_split": tiles, "prefill_req": prefill, "prefill_pos": prefill, "prefill_src": prefill,
+                "prefill_dst": prefill, "decode_src": rows, "decode_dst": self.num_decode}
+
+
+class MixedBuffers:
+    """One key's static inputs: a packed int64 buffer (ids, positions, slots, tables, lengths, layout)."""
+
+    def __init__(self, key: MixedKey, rows: int, width: int, layout: StepLayout, device):
+        T = key.num_tokens
+        self.sizes = {"ids": T, "positions": T, "slots": T, "tables": rows * width, "seq_lens": rows,
+                      **key.field_sizes()}
+        self.packed = torch.zeros(sum(self.sizes.values()), dtype=torch.int64, device=device)
+        self.views = dict(zip(self.sizes, self.packed.split(list(self.sizes.values()))))
+        self.rows, self.width = rows, width
+        # The backend reads only the layout's counts; host lists that would be stale are emptied.
+        self.layout = dataclasses.replace(layout, query_lens=[], seq_lens=[], num_tokens=T, padded_tokens=True)
+
+    def fill(self, ids, positions, slots, tables, seq_lens, layout: StepLayout, scratch_slot: int) -> None:
+        T, n = self.sizes["ids"], len(ids)
+        assert n <= T and tables.shape == (self.rows, self.width), (n, T, tables.shape)
+        pad = T - n
+        parts = [ids, np.zeros(pad, np.int64), positions, np.zeros(pad, np.int64), slots,
+                 np.full(pad, scratch_slot, np.int64), tables.ravel(), seq_lens]
+        for name in LAYOUT_FIELDS:
+            array = getattr(layout, name)
+            assert len(array) == self.sizes[name], (name, len(array), self.sizes[name])
+            parts.append(array)
+        host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+        if self.packed.is_cuda:
+            host = host.pin_memory()
+        self.packed.copy_(host, non_blocking=True)
+
+
+class MixedGraphRunner:
+    """Runs `run_model(input_ids, positions, meta) -> hidden` for steps with prompt tokens from graphs."""
+
+    def __init__(self, run_model, backend, mods, *, rows: int, table_width: int, block_size: int, num_blocks: int,
+                 params: dict[str, torch.dtype], scratch_slot: int, device, pool=None,
+                 max_tiles: int = MAX_GRAPH_TILES, use_graphs: bool = True):
+        self.run_model, self.backend, self.mods = run_model, backend, mods
+        self.rows, self.width, self.block_size, self.num_blocks = rows, table_width, block_size, num_blocks
+        self.scratch_slot, self.max_tiles = scratch_slot, max_tiles
+        self.device = torch.device(device)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.pool = pool
+        with torch.inference_mode():
+            self.params = {name: torch.zeros(rows, dtype=dtype, device=self.device) for name, dtype in params.items()}
+        self.buffers: dict[MixedKey, MixedBuffers] = {}
+        self.graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[MixedKey, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def fits(self, layout: StepLayout) -> bool:
+        return 0 < layout.num_tiles <= self.max_tiles
+
+    def forward(self, key: MixedKey) -> torch.Tensor:
+        """The step over the key's static buffers: metadata on the device, then the model."""
+        b = self.buffers[key]
+        v = b.views
+        tables, seq_lens = v["tables"].view(self.rows, self.width).int(), v["seq_lens"].int()
+        layout_views = {name: v[name] for name in LAYOUT_FIELDS}
+        layout_views["tile_valid"] = layout_views["tile_valid"].bool()
+        meta = AttentionMetadata(
+            layout=b.layout, block_size=self.block_size, num_blocks=self.num_blocks, seq_lens=seq_lens,
+            block_tables=tables, slot_mapping=v["slots"].clone(),
+            phys_to_logical=build_phys_to_logical(tables, seq_lens, self.block_size, self.num_blocks),
+            params=dict(self.params), **layout_views)
+        meta.backend = self.backend
+        self.backend.prepare(meta, self.mods)
+        # Fresh tensors (no storage offset), as the ordinary step passes them: no new compiled variant.
+        return self.run_model(v["ids"].clone(), v["positions"].clone(), meta)
+
+    @torch.inference_mode()
+    def run(self, ids, positions, slots, tables, seq_lens, layout: StepLayout,
+            params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Hidden states [T, H] of one step whose layout `fits`; captures its graph the first time."""
+        key = MixedKey.of(layout)
+        if key not in self.buffers:
+            self.buffers[key] = MixedBuffers(key, self.rows, self.width, layout, self.device)
+        self.buffers[key].fill(ids, positions, slots, tables, seq_lens, layout, self.scratch_slot)
+        for name, buf in self.params.items():
+            assert params[name].dtype == buf.dtype, (name, params[name].dtype, buf.dtype)
+            buf.copy_(params[name][: self.rows])
+        n = len(ids)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return self.hidden[key][:n]
+        hidden = self.forward(key)
+        if self.use_graphs:
+            self.capture(key)
+        return hidden[:n]
+
+    def capture(self, key: MixedKey) -> None:
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.hidden[key] = self.forward(key)
+        self.graphs[key] = graph
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
+        logger.debug("captured a CUDA graph for %s in %.3f s (%d mixed graphs)", key, seconds, len(self.graphs))
