@@ -314,7 +314,7 @@ class LLMEngine:
         completions = []
         for seq in request.seqs:
             text = seq.text
-            if not seq.is_finished and seq.params.stop:
+            if seq.params.stop and not seq.is_finished:
                 # Hold back what might be the start of a stop string, so cumulative text never shrinks.
                 hold = max(len(s) for s in seq.params.stop) - 1
                 text = text[:max(0, len(text) - hold)]

@@ -84,6 +84,11 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if n < self.min_chunk(seq, seq.num_computed_tokens):
                 continue  # the rest of its prompt does not fit this step
+            if self.block_manager.pages_needed(seq, n) == 0:  # most decode steps: room in its last page
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                continue
             while not self.block_manager.can_allocate(seq, n):
                 victim = self.running[-1]
                 budget += self._preempt(victim, batch)

@@ -84,4 +84,6 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        if len(self.seqs) == 1:  # checked for every request at every step: skip the generator
+            return self.seqs[0].status is SequenceStatus.FINISHED
         return all(s.is_finished for s in self.seqs)
