@@ -242,9 +242,9 @@ class ModelRunner:
         done = [i for i, s in enumerate(seqs) if seq_lens[i] == s.num_tokens]
         return PackedStep(ids, positions, slots, tables, padded_lens, layout, [seqs[i] for i in done], ends[done] - 1)
 
-    def prepare_step(self, batch: ScheduledBatch, sampling: bool = True) -> StepInputs:
-        """pack_step, then the device half: one transfer per array, and the metadata built once."""
-        p = self.pack_step(batch)
+    def prepare_step(self, batch: ScheduledBatch, sampling: bool = True, packed: PackedStep | None = None) -> StepInputs:
+        """pack_step (unless given), then the device half: one transfer per array, the metadata built once."""
+        p = packed or self.pack_step(batch)
         num_blocks = self.layers[0].k_cache.shape[0]  # the attached cache (a scratch one while profiling)
         meta = build_metadata(self.to_device(p.tables), self.to_device(p.seq_lens), self.to_device(p.slots),
                               p.layout, self.block_size, num_blocks, self.attention_params(batch.seqs, len(p.seq_lens)))
@@ -357,17 +357,17 @@ class ModelRunner:
         if self.decode_with_graphs(batch):
             logits = self.decode_graphs.run(*self.prepare_decode(batch.seqs))
             return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs))
-        if self.mixed_graphs is not None:
-            p = self.pack_step(batch)
-            if self.mixed_graphs.fits(p.layout):
-                hidden = self.mixed_graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
-                                               self.attention_params(batch.seqs, len(p.seq_lens)))
-                if not p.sample_seqs:
-                    return [], None
-                logits = self.model.compute_logits(hidden[self.to_device(p.sample_rows)])
-                return p.sample_seqs, self.sampler(logits, self.sampling_tensors(p.sample_seqs))
-        inputs = self.prepare_step(batch)
-        hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        p = self.pack_step(batch) if self.mixed_graphs is not None else None
+        if p is not None and self.mixed_graphs.fits(p.layout):  # a step with prompt tokens, from a graph
+            hidden = self.mixed_graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
+                                           self.attention_params(batch.seqs, len(p.seq_lens)))
+            inputs = StepInputs(  # the graph's buffers hold the model inputs
+                input_ids=None, positions=None, meta=None, sample_seqs=p.sample_seqs,
+                sample_rows=self.to_device(p.sample_rows),
+                sampling=self.sampling_tensors(p.sample_seqs) if p.sample_seqs else None)
+        else:
+            inputs = self.prepare_step(batch, packed=p)
+            hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seqs:
             return [], None
         return inputs.sample_seqs, self.sample(hidden, inputs)

@@ -13,9 +13,9 @@ step on the API side, against about 1.3 for a delta (measured at 256 prompt toke
 
 A thread in the child reads the input pipe all the time, so an abort that arrives mid-step is applied
 before the next step, and the child never stops reading while it waits to send (were both pipes full,
-each side would wait on the other). Another pickles and writes the step messages (pipe.MessageWriter),
-so the next step starts without waiting for them. The child also exits when the API process dies: its input pipe
-then reads EOF.
+each side would wait on the other). Another thread pickles and writes the step messages
+(pipe.MessageWriter), so the next step starts without waiting for them. The child also exits when the
+API process dies: its input pipe then reads EOF.
 """
 from __future__ import annotations
 
