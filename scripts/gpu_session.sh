@@ -4,10 +4,11 @@
 #   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
 # Stages: tests (pytest -m gpu), attention (kernel table), compare (flexengine vs transformers
 # generate_batch, 256 x 256 x 256), throughput, latency (batch 1), eager (throughput and latency with
-# --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), fa4 (install the
-# carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages still run
-# without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto, flash). The
-# end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
+# --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py, with
+# PROFILE_ARGS), fa4 (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU
+# tests; later stages still run without it), flash (throughput and latency with FA4 on the path:
+# --attention-backend flex, auto, flash). The end-to-end stages run scripts/e2e_bench.sh, which holds
+# their commands (and takes ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR. At the end
 # everything in $OUT is packed into $OUT/logs.tgz (the device tool brings back at most 8 files).
 set -u
