@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention.metadata import LAYOUT_FIELDS, Q_TILE, AttentionMetadata, StepLayout, build_phys_to_logical
+from ..attention.metadata import LAYOUT_FIELDS, Q_TILE, StepLayout, metadata_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +108,9 @@ class MixedGraphRunner:
         """The step over the key's static buffers: metadata on the device, then the model."""
         b = self.buffers[key]
         v = b.views
-        tables, seq_lens = v["tables"].view(self.rows, self.width).int(), v["seq_lens"].int()
-        layout_views = {name: v[name] for name in LAYOUT_FIELDS}
-        layout_views["tile_valid"] = layout_views["tile_valid"].bool()
-        meta = AttentionMetadata(
-            layout=b.layout, block_size=self.block_size, num_blocks=self.num_blocks, seq_lens=seq_lens,
-            block_tables=tables, slot_mapping=v["slots"].clone(),
-            phys_to_logical=build_phys_to_logical(tables, seq_lens, self.block_size, self.num_blocks),
-            params=dict(self.params), **layout_views)
+        meta = metadata_on_device(b.layout, {name: v[name] for name in LAYOUT_FIELDS},
+                                  v["tables"].view(self.rows, self.width).int(), v["seq_lens"].int(),
+                                  v["slots"].clone(), self.block_size, self.num_blocks, self.params)
         meta.backend = self.backend
         self.backend.prepare(meta, self.mods)
         # Fresh tensors (no storage offset), as the ordinary step passes them: no new compiled variant.

@@ -84,34 +84,38 @@ def step_kinds(llm, prompts, output_len: int, request_rate: float) -> None:
               f"{toks / steps:.0f} |")
 
 
-def profile_decode(llm, batch: int, input_len: int, steps: int = 8) -> None:
-    """Bring `batch` requests to decode, then profile `steps` pure decode steps of all of them.
+UNLIMITED = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0)
 
-    Prefill takes several steps, so requests run without a token limit and are aborted afterwards:
-    with one, the first admitted could finish before the last were prefilled."""
-    engine = llm.llm_engine
-    prompts = random_prompts(batch, input_len, engine.vocab_size, seed=batch)
-    ids = [f"p{batch}-{i}" for i in range(batch)]
+
+def start_decoding(engine, ids: list[str], prompts: list[list[int]]) -> None:
+    """Add the requests and step until every prompt is prefilled, plus one step.
+
+    Prefill takes several steps, so requests run without a token limit (UNLIMITED) and are aborted
+    afterwards: with one, the first admitted could finish before the last were prefilled."""
     for rid, p in zip(ids, prompts):
-        params = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0)
-        engine.add_request(rid, {"prompt_token_ids": p}, params, final_only=True)
+        engine.add_request(rid, {"prompt_token_ids": p}, UNLIMITED, final_only=True)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    for _ in range(2):
-        engine.step()
+    engine.step()
     sync()
+
+
+def profiled_steps(engine, steps: int):
+    """(profiler, wall us per step) of `steps` engine steps."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         sync()
         wall = (time.perf_counter() - start) / steps * 1e6
-    assert len(engine.scheduler.running) == batch, "a request finished or was preempted while profiling"
-    for rid in ids:
-        engine.abort_request(rid)
+    return prof, wall
+
+
+def print_kernels(prof, steps: int, wall: float, what: str) -> None:
+    """GPU busy time against wall time per step, and the ten costliest kernels."""
     kernels = [(device_us(e), e.count, e.key) for e in prof.key_averages() if device_us(e) > 0]
     busy = sum(k[0] for k in kernels) / steps
-    print(f"# decode batch {batch}: wall {wall:.0f} us per step, GPU busy {busy:.0f} us ({busy / wall:.0%}), "
+    print(f"# {what}: wall {wall:.0f} us per step, GPU busy {busy:.0f} us ({busy / wall:.0%}), "
           f"{sum(k[1] for k in kernels) / steps:.0f} kernels per step")
     print("| kernel | per step | us per step |")
     print("|---|---|---|")
@@ -119,34 +123,30 @@ def profile_decode(llm, batch: int, input_len: int, steps: int = 8) -> None:
         print(f"| {name[:70]} | {count / steps:.0f} | {us / steps:.0f} |")
 
 
+def profile_decode(llm, batch: int, input_len: int, steps: int = 8) -> None:
+    """Bring `batch` requests to decode, then profile `steps` pure decode steps of all of them."""
+    engine = llm.llm_engine
+    ids = [f"p{batch}-{i}" for i in range(batch)]
+    start_decoding(engine, ids, random_prompts(batch, input_len, engine.vocab_size, seed=batch))
+    engine.step()
+    prof, wall = profiled_steps(engine, steps)
+    assert len(engine.scheduler.running) == batch, "a request finished or was preempted while profiling"
+    for rid in ids:
+        engine.abort_request(rid)
+    print_kernels(prof, steps, wall, f"decode batch {batch}")
+
+
 def profile_arrival(llm, batch: int, input_len: int) -> None:
     """Profile the one step that prefills a new prompt next to `batch` decoding requests."""
     engine = llm.llm_engine
     prompts = random_prompts(batch + 1, input_len, engine.vocab_size, seed=1000 + batch)
     ids = [f"a{batch}-{i}" for i in range(batch + 1)]
-    params = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0)
-    for rid, p in zip(ids[:batch], prompts):
-        engine.add_request(rid, {"prompt_token_ids": p}, params, final_only=True)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    engine.step()
-    sync()
-    engine.add_request(ids[-1], {"prompt_token_ids": prompts[-1]}, params, final_only=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        engine.step()
-        sync()
-        wall = (time.perf_counter() - start) * 1e6
+    start_decoding(engine, ids[:batch], prompts[:batch])
+    engine.add_request(ids[-1], {"prompt_token_ids": prompts[-1]}, UNLIMITED, final_only=True)
+    prof, wall = profiled_steps(engine, 1)
     for rid in ids:
         engine.abort_request(rid)
-    kernels = [(device_us(e), e.count, e.key) for e in prof.key_averages() if device_us(e) > 0]
-    busy = sum(k[0] for k in kernels)
-    print(f"# one {input_len}-token prompt arriving at {batch} decoding requests: wall {wall:.0f} us for the step, "
-          f"GPU busy {busy:.0f} us ({busy / wall:.0%}), {sum(k[1] for k in kernels)} kernels")
-    print("| kernel | count | us |")
-    print("|---|---|---|")
-    for us, count, name in sorted(kernels, reverse=True)[:10]:
-        print(f"| {name[:70]} | {count} | {us:.0f} |")
+    print_kernels(prof, 1, wall, f"one {input_len}-token prompt arriving at {batch} decoding requests")
     host = sorted(((e.self_cpu_time_total, e.count, e.key) for e in prof.key_averages()), reverse=True)[:12]
     print("| host op (self CPU time) | count | us |")
     print("|---|---|---|")

@@ -189,11 +189,18 @@ def build_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapp
                    layout: StepLayout, block_size: int, num_blocks: int,
                    params: dict[str, torch.Tensor] | None = None) -> AttentionMetadata:
     """Ship the layout in ONE host→device copy (pinned on CUDA), then build the page map on the device."""
-    device = block_tables.device
     arrays = [np.asarray(getattr(layout, f), dtype=np.int64) for f in LAYOUT_FIELDS]
-    packed = to_device(np.concatenate(arrays), device)
+    packed = to_device(np.concatenate(arrays), block_tables.device)
     views = dict(zip(LAYOUT_FIELDS, packed.split([len(a) for a in arrays])))
-    views["tile_valid"] = views["tile_valid"].bool()
+    return metadata_on_device(layout, views, block_tables, seq_lens, slot_mapping, block_size, num_blocks, params)
+
+
+def metadata_on_device(layout: StepLayout, views: dict[str, torch.Tensor], block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, num_blocks: int,
+                       params: dict[str, torch.Tensor] | None = None) -> AttentionMetadata:
+    """The metadata from the layout arrays already on the device (int64, one per LAYOUT_FIELDS name):
+    device ops only, so a CUDA graph can hold it (compile/mixed_graphs.py)."""
+    views = {**views, "tile_valid": views["tile_valid"].bool()}
     return AttentionMetadata(
         layout=layout, block_size=block_size, num_blocks=num_blocks,
         seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,

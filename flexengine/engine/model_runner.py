@@ -309,11 +309,10 @@ class ModelRunner:
 
     def capture_decode_graphs(self):
         from ..compile.cuda_graphs import DecodeGraphRunner
-        params = {name: p.dtype for name, p in sorted(self.mod_params.items())}
         graphs = DecodeGraphRunner(
             self.forward_logits, self.backend, self.mods, max_num_seqs=self.config.max_num_seqs,
             block_size=self.block_size, num_blocks=self.num_blocks + 1, table_width=self.table_width,
-            num_kv_heads=self.num_kv_heads, params=params, scratch_slot=self.num_blocks * self.block_size,
+            num_kv_heads=self.num_kv_heads, params=self.param_dtypes(), scratch_slot=self.num_blocks * self.block_size,
             device=self.device)
         graphs.capture_all()
         logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s, %.1f MiB", len(graphs.graphs),
@@ -326,8 +325,11 @@ class ModelRunner:
         return MixedGraphRunner(
             self.run_model, self.backend, self.mods, rows=self.config.max_num_seqs, table_width=self.table_width,
             block_size=self.block_size, num_blocks=self.num_blocks + 1,
-            params={name: p.dtype for name, p in sorted(self.mod_params.items())},
-            scratch_slot=self.num_blocks * self.block_size, device=self.device, pool=pool)
+            params=self.param_dtypes(), scratch_slot=self.num_blocks * self.block_size, device=self.device, pool=pool)
+
+    def param_dtypes(self) -> dict[str, torch.dtype]:
+        """{per-request parameter: its dtype}, sorted by name: what a CUDA graph's static buffers hold."""
+        return {name: p.dtype for name, p in sorted(self.mod_params.items())}
 
     def prepare_decode(self, seqs: list[Sequence]):
         """Pure decode: ids, positions, slots, lengths and tables in ONE host→device copy.

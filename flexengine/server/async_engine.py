@@ -267,7 +267,8 @@ class AsyncEngine:
         state = self.requests.pop(request_id)
         if finish_reason is not None:
             self.metrics.observe_finished(state.arrival, state.first_token, state.last_token,
-                                          state.output(), finish_reason)
+                                          len(state.prompt_token_ids),
+                                          [len(c.token_ids) for c in state.completions], finish_reason)
 
     # ---- what the engine process sends ------------------------------------------------------------
 

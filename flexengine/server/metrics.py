@@ -89,14 +89,13 @@ class ServerMetrics:
                              E2E_BUCKETS)
 
     def observe_finished(self, arrival: float, first_token: float | None, last_token: float | None,
-                         output, finish_reason: str) -> None:
-        """Record one engine request that finished (or was aborted) with its last RequestOutput."""
+                         prompt_tokens: int, output_tokens: list[int], finish_reason: str) -> None:
+        """Record one engine request that finished (or was aborted): its prompt length and each of its
+        completions' token count."""
         self.request_success.inc(finished_reason=finish_reason)
-        if output is None:
-            return
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+        self.prompt_tokens.inc(prompt_tokens)
+        num_tokens = max(output_tokens, default=0)
+        self.generation_tokens.inc(sum(output_tokens))
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
             self.e2e.observe(last_token - arrival)

@@ -11,7 +11,7 @@ import json
 import time
 from typing import AsyncIterator
 
-from flexengine.outputs import CompletionOutput, Logprob, RequestOutput
+from flexengine.outputs import Logprob, RequestOutput
 from flexengine.server.async_engine import RequestGroup
 from flexengine.server.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
