@@ -118,12 +118,15 @@ class MixedGraphRunner:
 
     @torch.inference_mode()
     def run(self, ids, positions, slots, tables, seq_lens, layout: StepLayout,
-            params: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Hidden states [T, H] of one step whose layout `fits`; captures its graph the first time."""
+            params: dict[str, torch.Tensor], feed=None) -> torch.Tensor:
+        """Hidden states [T, H] of one step whose layout `fits`; captures its graph the first time.
+        feed(input_ids): writes input ids known only on the device (async scheduling) into the buffer."""
         key = MixedKey.of(layout)
         if key not in self.buffers:
             self.buffers[key] = MixedBuffers(key, self.rows, self.width, layout, self.device)
         self.buffers[key].fill(ids, positions, slots, tables, seq_lens, layout, self.scratch_slot)
+        if feed is not None:
+            feed(self.buffers[key].views["ids"])
         for name, buf in self.params.items():
             assert params[name].dtype == buf.dtype, (name, params[name].dtype, buf.dtype)
             buf.copy_(params[name][: self.rows])

@@ -32,22 +32,64 @@ def shape_classes(runner) -> int:
     return (len(prefill_buckets(runner)) + len(decode_buckets(runner.config.max_num_seqs))) * len(set(runner.mods))
 
 
-def dummy_step(runner, num_seqs: int, tokens_each: int, cached: int = 0) -> None:
-    """One step of `num_seqs` requests computing `tokens_each` tokens after `cached` ones."""
-    from ..engine.scheduler import ScheduledBatch
+def dummy_seqs(runner, num_seqs: int, tokens_each: int, cached: int = 0, first: int = 0) -> list:
+    """`num_seqs` requests computing `tokens_each` tokens after `cached` ones (the first numbered `first`)."""
     from ..engine.sequence import Sequence
     n = cached + tokens_each
     pages = -(-n // runner.block_size)
     seqs = []
-    for i in range(num_seqs):
+    for i in range(first, first + num_seqs):
         seq = Sequence(request_id="warmup", index=0, token_ids=[0] * n, num_prompt_tokens=n, params=None)
         seq.num_computed_tokens = cached
         # dummies may share pages: a bucket can outnumber them
         seq.block_table = [(i * pages + j) % runner.num_blocks for j in range(pages)]
         seqs.append(seq)
+    return seqs
+
+
+def dummy_step(runner, num_seqs: int, tokens_each: int, cached: int = 0) -> None:
+    """One step of `num_seqs` requests computing `tokens_each` tokens after `cached` ones."""
+    from ..engine.scheduler import ScheduledBatch
     with torch.inference_mode():
-        inputs = runner.prepare_step(ScheduledBatch(seqs, [tokens_each] * num_seqs), sampling=False)
+        batch = ScheduledBatch(dummy_seqs(runner, num_seqs, tokens_each, cached), [tokens_each] * num_seqs)
+        inputs = runner.prepare_step(batch, sampling=False)
         runner.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
+
+
+def capture_mixed_graphs(runner) -> int:
+    """Capture the graph of every step layout with prompt tokens that fits one (decode bucket or none,
+    times prefill tile bucket), so that none is captured while requests wait; then run the logits
+    GEMM at every row count such a step can sample (cuBLAS loads kernels on first use). Returns how
+    many graphs were captured."""
+    from ..attention.metadata import Q_TILE
+    from ..engine.scheduler import ScheduledBatch
+    from .policy import bucket
+    graphs, cfg = runner.mixed_graphs, runner.config
+    buckets = decode_buckets(cfg.max_num_seqs)
+    top = min(graphs.max_tiles, max_prefill_tiles(cfg.max_num_batched_tokens, cfg.max_num_seqs))
+    per_prompt = runner.max_model_len // Q_TILE  # whole tiles one dummy prompt can hold
+    before = len(graphs.graphs)
+    with torch.inference_mode():
+        for tiles in [1 << i for i in range(top.bit_length())]:
+            need = tiles // 2 + 1 if tiles > 1 else 1  # fewest tiles that pad to this bucket
+            # as few prompts as possible, so that the most decode rows fit beside them
+            lengths = [min(per_prompt, need - k) * Q_TILE for k in range(0, need, per_prompt)] if per_prompt else [2] * need
+            for rows in [0] + buckets:
+                num_decode = min(rows, cfg.max_num_seqs - len(lengths))  # every request needs a table row
+                if num_decode < 0 or (rows and bucket(num_decode, buckets) != rows):
+                    continue
+                seqs = dummy_seqs(runner, num_decode, 1, cached=1)
+                for n in lengths:
+                    seqs += dummy_seqs(runner, 1, n, first=len(seqs))
+                p = runner.pack_step(ScheduledBatch(seqs, [1] * num_decode + lengths))
+                assert graphs.fits(p.layout) and p.layout.num_tiles == tiles, p.layout
+                graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
+                           runner.attention_params(seqs, len(p.seq_lens)))
+        hidden = torch.zeros(cfg.max_num_seqs, runner.model.spec.hidden_size, dtype=runner.dtype,
+                             device=runner.device)
+        for n in range(1, cfg.max_num_seqs + 1):
+            runner.model.compute_logits(hidden[:n])
+    return len(graphs.graphs) - before
 
 
 def warm_up_steps(runner, decode: bool = False) -> float:

@@ -20,6 +20,11 @@ def env_api_key() -> str | None:
     return os.environ.get("FLEXENGINE_API_KEY") or None
 
 
+def env_stats_interval_s() -> float:
+    """Seconds between the server engine's stats lines: FLEXENGINE_STATS_INTERVAL_S, else vLLM's 5."""
+    return float(os.environ.get("FLEXENGINE_STATS_INTERVAL_S") or 5.0)
+
+
 def cache_dir() -> str:
     """Where flexengine keeps built artefacts (the embedded default model): FLEXENGINE_CACHE_DIR,
     else $XDG_CACHE_HOME/flexengine, else ~/.cache/flexengine."""
@@ -66,6 +71,10 @@ class EngineConfig:
     # Pure decode steps run this many forward passes per schedule, each fed the last one's tokens on
     # the device, with one host sync at the end (vLLM's multi-step scheduling); CUDA graphs only.
     num_scheduler_steps: int = 1
+    # Launch each step before reading the last one's tokens back, so that detokenizing, stop checks and
+    # streaming overlap the device (vLLM's async scheduling). A sequence that stops runs one step more,
+    # whose token is dropped.
+    async_scheduling: bool = False
     seed: int = 0
     # Overrides of the model's mods: a registered name, a callable, or {layer index or kind ("global" /
     # "sliding"): either}; None keeps the model's. Applied (and checked) by ModelRunner.
@@ -93,6 +102,9 @@ class EngineConfig:
         if self.attention_backend is not None and str(self.attention_backend).strip().lower() not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)} or None, "
                              f"got {self.attention_backend!r}")
+        if self.async_scheduling and self.num_scheduler_steps > 1:
+            raise ValueError(f"async_scheduling and num_scheduler_steps={self.num_scheduler_steps} exclude each "
+                             f"other: choose one way to keep the device busy")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -56,7 +56,7 @@ for stage in ${*:-tests attention compare latency}; do
     compare) e2e compare_transformers ;;
     throughput|latency) e2e "$stage" ;;
     eager) e2e latency_eager throughput_eager ;;
-    serve) step serve 240 bash scripts/serve_bench.sh ;;  # it makes the checkpoint itself
+    serve) step serve 300 bash scripts/serve_bench.sh ;;  # it makes the checkpoint itself
     fa4) step fa4 200 bash scripts/fa4_install.sh python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short \
            tests/test_flash_backend.py && FA4_PATH=$(bash scripts/fa4_install.sh path) ;;
     flash) if [[ -z $FA4_PATH ]]; then STATUS+=("flash: SKIPPED (no working FA4; run the fa4 stage first)"); else

@@ -26,11 +26,11 @@ PY
   rm -rf /tmp/serve_site  # a warm box keeps the last call's
   (( ${#newer[@]} )) && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/serve_site "${newer[@]}"
-  export PYTHONPATH=/tmp/serve_site${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/serve_site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/serve_site/bin:$PATH  # py-spy
 fi
 [[ -f $MODEL_DIR/config.json ]] || $PY -m flexengine.cli make-model --preset llama-3.2-1b --out "$MODEL_DIR" --dtype bfloat16
 # A native crash in the engine process then prints every thread's Python stack into server.log.
-PYTHONFAULTHANDLER=1 $PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --port "$PORT" --max-waiting-requests 1024 \
+PYTHONFAULTHANDLER=1 FLEXENGINE_STATS_INTERVAL_S=1 $PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --port "$PORT" --max-waiting-requests 1024 \
   --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
@@ -39,9 +39,29 @@ for _ in $(seq 240); do
   kill -0 $server 2>/dev/null || { echo "server exited:"; tail -n 20 "$OUT/server.log"; exit 1; }
   sleep 1
 done
+# The engine process is the server's spawned child that is not multiprocessing's resource tracker.
+engine=$(ps -o pid= -o args= --ppid $server | grep -v resource_tracker | awk 'NR==1 {print $1}')
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }  # user + system, all threads
+TICK=$(getconf CLK_TCK)
 for rate in inf 16; do
+  api0=$(cpu_ticks $server); eng0=$(cpu_ticks $engine); t0=$(date +%s.%N)
+  spies=()
+  if [[ -n ${PYSPY:-} && $rate == inf ]] && command -v py-spy >/dev/null; then
+    # Sample both processes through the middle of the run (after the prompts' prefill), as folded stacks.
+    for who in engine:$engine api:$server; do
+      (sleep "${PYSPY_DELAY:-2}"; py-spy record --nonblocking ${PYSPY_ARGS:-} --format raw -r 500 -d "${PYSPY_SECONDS:-2}" \
+        -o "$OUT/pyspy_${who%%:*}.txt" -p "${who##*:}" >"$OUT/pyspy_${who%%:*}.log" 2>&1) &
+      spies+=($!)
+    done
+  fi
   $PY -m flexengine.cli bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 256 --input-len 256 \
     --output-len 256 --request-rate "$rate" --json-out "$OUT/serve_rate_$rate.json" 2>&1 | tee "$OUT/serve_rate_$rate.log"
+  (( ${#spies[@]} )) && wait "${spies[@]}"  # not a bare wait: the server is a job of this shell too
+  api1=$(cpu_ticks $server); eng1=$(cpu_ticks $engine); t1=$(date +%s.%N)
+  awk -v a=$((api1 - api0)) -v e=$((eng1 - eng0)) -v hz=$TICK -v w="$t1 - $t0" -v r=$rate 'BEGIN {
+    split(w, x, " - "); wall = x[1] - x[2];
+    printf "rate %s: %.2f s wall; CPU busy: API process %.0f%%, engine process %.0f%% (of one core)\n",
+      r, wall, 100 * a / hz / wall, 100 * e / hz / wall }' | tee -a "$OUT/serve_cpu.txt"
 done
 if grep -qE "Failed requests: +[1-9]|test run failed" "$OUT"/serve_rate_*.log; then
   echo "=== requests failed; the server's log ends:"; grep -v -i warn "$OUT/server.log" | tail -n 60
@@ -52,3 +72,5 @@ $PY -m flexengine.cli bench throughput --model "$MODEL_DIR" --dtype bfloat16 ${E
 echo "=== serving vs offline"
 grep -hE "Output token throughput|Median TPOT" "$OUT"/serve_rate_*.log
 grep -h "Throughput:" "$OUT/offline_throughput.log"
+cat "$OUT/serve_cpu.txt"
+grep -h "engine: " "$OUT/server.log" | tail -n 8  # the engine loop's own stats

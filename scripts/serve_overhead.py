@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-only", action="store_true", help="only the bench client against a fake SSE server")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--server-args", default="", help="extra `flexengine serve` flags")
+    p.add_argument("--async-scheduling", action="store_true", help="the offline engine and the server both")
     p.add_argument("--role", default="main", choices=["main", "server", "fake-sse"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -49,27 +50,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def engine_flags(args) -> dict:
     """Flags shared by the offline engine and the server: room in the KV cache for every request."""
     blocks = args.num_prompts * -(-(args.input_len + args.output_len) // 16) + 64
-    return dict(attention_backend="reference", seed=0, max_num_seqs=256, num_kv_blocks=blocks)
+    flags = dict(attention_backend="reference", seed=0, max_num_seqs=256, num_kv_blocks=blocks)
+    return {**flags, "async_scheduling": True} if args.async_scheduling else flags
 
 
 # ---- the near-free model step ------------------------------------------------------------------------
 
 def fake_model_step(step_ms: float, step_us_per_seq: float) -> None:
-    """Replace ModelRunner.execute with a GIL-free sleep that samples random printable tokens."""
+    """Replace the model step with a fake device: a step returns at once with random printable tokens,
+    which can be read back (InFlightStep.wait sleeps, releasing the GIL) once the device is through
+    it. Steps queue on the device one after another, so async scheduling overlaps host and device
+    work as on a GPU."""
+    from flexengine.engine.in_flight import InFlightStep
     from flexengine.engine.model_runner import ModelRunner
     from flexengine.layers.sampler import SamplerOutput
 
     gen = torch.Generator().manual_seed(0)
+    device = {"free_at": 0.0}  # when the fake device finishes the last step queued
+    launch, wait = InFlightStep.launch.__func__, InFlightStep.wait
 
-    def execute(self, batch):
+    def execute(self, batch, prev=None):
         # The sequences whose prompt is complete after this step get a token (as prepare_step picks them).
         seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
-        time.sleep((step_ms + step_us_per_seq * len(batch.seqs) / 1000) / 1000)
+        step_s = (step_ms + step_us_per_seq * len(batch.seqs) / 1000) / 1000
+        device["free_at"] = max(time.perf_counter(), device["free_at"]) + step_s
         if not seqs:
             return [], None
         return seqs, SamplerOutput(token_ids=torch.randint(VOCAB_LO, VOCAB_HI, (len(seqs),), generator=gen))
 
+    def launch_fake(cls, *args):
+        step = launch(cls, *args)
+        step.done_at = device["free_at"]
+        return step
+
+    def wait_fake(self):
+        time.sleep(max(0.0, self.done_at - time.perf_counter()))
+        return wait(self)
+
     ModelRunner.execute = execute
+    InFlightStep.launch = classmethod(launch_fake)
+    InFlightStep.wait = wait_fake
 
 
 # The server's engine runs in a spawned process, which re-imports this script as __mp_main__ (its
@@ -109,7 +129,8 @@ def start(role: str, args, port: int, log) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--role", role, "--port", str(port), "--step-ms", str(args.step_ms),
            "--step-us-per-seq", str(args.step_us_per_seq), "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--server-args", args.server_args] + (["--real-model"] if args.real_model else [])
+           "--server-args", args.server_args] + (["--real-model"] if args.real_model else []) + \
+        (["--async-scheduling"] if args.async_scheduling else [])
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -186,7 +207,8 @@ def serve(args) -> int:
     from flexengine import cli
     if not args.real_model:
         os.environ[FAKE_STEP_ENV] = f"{args.step_ms},{args.step_us_per_seq}"  # for the engine process
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_flags(args).items()]
+    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
+             for k, v in engine_flags(args).items()]
     return cli.main(["serve", "--port", str(args.port), "--uvicorn-log-level", "warning", *flags,
                      *args.server_args.split()])
 

@@ -104,6 +104,14 @@ def test_graphs_equal_eager_and_no_recompiles_after_warm_up():
     assert compile_count() == before, "a shape compiled after warm-up (multi-step)"
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_multi))
     assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ with 4 steps per schedule"
+    del multi
+    overlapped = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, async_scheduling=True,
+                     attention_backend="flex")
+    before = compile_count()
+    out_async = overlapped.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up (async scheduling)"
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_async))
+    assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ with async scheduling"
 
 
 def test_fused_elementwise_matches_eager():
@@ -265,3 +273,23 @@ def test_float_parameters_run_on_the_decode_graphs_without_recompiles(gpu_shaped
                 for c in caps]
     assert got == expected
     assert got[0] != got[1], "the caps changed nothing: the test would not see them ignored"
+
+
+def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines):
+    """capture_mixed_graphs prepares one key per (decode bucket or none, tile bucket); mixed traffic
+    then meets no step layout with prompt tokens that start-up did not prepare."""
+    from flexengine.compile.warmup import capture_mixed_graphs
+    llm = LLM(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=96, max_model_len=96)
+    runner = llm.llm_engine.runner
+    graphs = runner.mixed_graphs
+    graphs.buffers.clear()  # on CPU nothing is captured at start-up; the keys are what counts
+    capture_mixed_graphs(runner)
+    keys = set(graphs.buffers)
+    assert {(k.num_decode, k.num_tiles) for k in keys} == {(d, t) for d in (0, 1, 2, 4, 8, 16) for t in (1, 2, 4, 8)}
+    met = []
+    run = graphs.run
+    graphs.run = lambda *args, **kw: met.append(MixedKey.of(args[5])) or run(*args, **kw)
+    prompts, params = mixed_traffic(n=40, max_len=90, max_tokens=20, temperature=0)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert set(met) <= keys, "traffic met a layout start-up did not capture"
+    assert len(set(met)) >= 5  # several decode buckets beside prompts

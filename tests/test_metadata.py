@@ -2,6 +2,7 @@
 import random
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -114,3 +115,18 @@ def test_page_lists_at_every_offset_within_a_page():
     reqs = [(ctx + n, n) for ctx in range(2 * P) for n in (1, 2, 9)]
     for case in CASE_LIST:
         check_page_lists(random.Random(0), P, case, reqs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_to_device_through_the_pinned_ring_keeps_every_copy():
+    """More copies than the ring has slots, queued behind slow GPU work: a slot rewritten before its copy
+    ran would hand the device another array's values."""
+    from flexengine.attention.metadata import PinnedStaging, to_device
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(10):
+        x @ x  # keep the stream busy while the copies queue up
+    arrays = [np.full((3, 5 + i % 7), i, dtype=np.int64 if i % 2 else np.float32) for i in range(3 * PinnedStaging.SLOTS)]
+    copies = [to_device(a, "cuda") for a in arrays]
+    for a, c in zip(arrays, copies):
+        np.testing.assert_array_equal(c.cpu().numpy(), a)

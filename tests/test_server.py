@@ -95,8 +95,9 @@ def offline_llm():
 
 @pytest.fixture(scope="module")
 def servers(offline_llm):
-    """The main server (--api-key) and a tiny-limit one (key from FLEXENGINE_API_KEY), started together."""
-    main = launch_server("--api-key", API_KEY, *ENGINE_ARGS)
+    """The main server (--api-key, async scheduling: the tests compare it with the offline engine, which has
+    none) and a tiny-limit one (key from FLEXENGINE_API_KEY), started together."""
+    main = launch_server("--api-key", API_KEY, "--async-scheduling", *ENGINE_ARGS)
     limited = launch_server("--max-num-seqs", "1", "--max-waiting-requests", "1", *ENGINE_ARGS,
                             env={"FLEXENGINE_API_KEY": ENV_API_KEY})
     try:

@@ -176,9 +176,42 @@ def build_phys_to_logical(block_tables: torch.Tensor, seq_lens: torch.Tensor, bl
 def to_device(array: np.ndarray, device) -> torch.Tensor:
     """One host→device copy, from pinned memory on CUDA so that it does not block the host."""
     t = torch.from_numpy(array)
-    if torch.device(device).type == "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t
+    if torch.cuda.is_current_stream_capturing() or t.nbytes > PinnedStaging.SLOT_BYTES:
         return t.pin_memory().to(device, non_blocking=True)
-    return t
+    return staging(device).copy(t)
+
+
+class PinnedStaging:
+    """A ring of preallocated pinned slots for small host→device copies. Pinning fresh memory for each
+    copy (`pin_memory()`) took 12% of the server engine's host time on the H100 box (py-spy). A slot
+    is written again only after the copy that last read it has run (an event per slot)."""
+    SLOTS, SLOT_BYTES = 32, 1 << 20
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffer = torch.empty(self.SLOTS * self.SLOT_BYTES, dtype=torch.uint8, pin_memory=True)
+        self.copied: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self.next = 0
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        i, self.next = self.next, (self.next + 1) % self.SLOTS
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()  # long done, unless SLOTS copies are still queued
+        start = i * self.SLOT_BYTES
+        slot = self.buffer[start:start + t.nbytes].view(t.dtype).view(t.shape)
+        slot.copy_(t)
+        out = slot.to(self.device, non_blocking=True)
+        self.copied[i] = self.copied[i] or torch.cuda.Event()
+        self.copied[i].record()
+        return out
+
+
+@functools.cache
+def staging(device: torch.device) -> PinnedStaging:
+    return PinnedStaging(device)
 
 
 LAYOUT_FIELDS = ("decode_req", "tile_req", "tile_q_lo", "tile_q_hi", "tile_valid", "tile_split", "prefill_req", "prefill_pos",

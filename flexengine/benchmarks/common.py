@@ -26,12 +26,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, help="flex | flash | reference | auto")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps per schedule, fed on the device (CUDA graphs only; None: 1)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="launch each step before reading the last one's tokens back")
     p.add_argument("--seed", type=int, default=0, help="engine seed and prompt seed")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
 
 
 def engine_kwargs(args) -> dict:
-    kwargs = dict(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, seed=args.seed)
+    kwargs = dict(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, seed=args.seed,
+                  async_scheduling=args.async_scheduling)
     optional = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
                     num_scheduler_steps=args.num_scheduler_steps, block_size=args.block_size)

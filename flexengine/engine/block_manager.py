@@ -19,7 +19,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .sequence import Sequence
+from .sequence import PENDING, Sequence
 
 BROKEN = -1  # chain_serial of a sequence whose hash chain hit a collision: cache none of its later pages
 
@@ -164,6 +164,7 @@ class BlockManager:
         P = self.block_size
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // P):
             tokens = tuple(seq.token_ids[i * P:(i + 1) * P])
+            assert PENDING not in tokens, "a page is cached before its tokens are known"
             h = self.hash_fn(seq.chain_hash, tokens)
             existing = self.hash_to_block.get(h)
             if existing is not None:

@@ -13,16 +13,18 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 
 from ..config import EngineConfig
 from ..masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
-from ..tokenizer import IncrementalDetokenizer
+from ..tokenizer import IncrementalDetokenizer, add_tokens
 from .block_manager import BlockManager
+from .in_flight import InFlightStep
 from .model_runner import ModelRunner, text_config
 from .scheduler import Scheduler
-from .sequence import Request, Sequence
+from .sequence import PENDING, Request, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,9 @@ class LLMEngine:
                                    whole_prompts=self.look_ahead is not None, num_scheduler_steps=steps,
                                    max_model_len=self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.async_scheduling = config.async_scheduling
+        self.in_flight: InFlightStep | None = None  # async scheduling: launched, not yet read back
+        self.device_wait_s = 0.0  # time spent waiting for steps' tokens (the engine loop's stats)
         self.eos_token_ids = self._eos_token_ids()
 
     def _use_prefix_cache(self) -> bool:
@@ -99,7 +104,7 @@ class LLMEngine:
         return self.block_manager.num_free_blocks()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -213,40 +218,72 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step; return the outputs of the step it completes.
+
+        Without async scheduling that is the step just launched. With it, the step launched by the
+        previous call: its tokens are read back and processed while the new one runs on the device.
+        """
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            # The cache holds a whole max_model_len request, so with work queued a step always runs something.
-            assert not self.scheduler.has_unfinished(), "the scheduler could not run any queued sequence"
-            return []
         if batch.num_steps > 1:
             tokens = self.runner.execute_multi_step(batch).tolist()  # the steps' one device → host sync
             return self.process_multi_step(batch, tokens)
-        seqs, out = self.runner.execute(batch)
-        self.scheduler.update_computed(batch)
-        if not seqs:
+        launched = self.launch(batch) if batch.seqs else None
+        if not self.async_scheduling:
+            done = launched
+        else:
+            done, self.in_flight = self.in_flight, launched
+        if done is None:
+            # The cache holds a whole max_model_len request, so with work queued a step always runs something.
+            assert self.in_flight is not None or not self.scheduler.has_unfinished(), \
+                "the scheduler could not run any queued sequence"
             return []
-        token_ids = out.token_ids.tolist()  # the step's one device → host sync
-        lp = None
-        if out.logprob is not None:
-            lp = (out.logprob.tolist(), out.rank.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist())
+        return self.process(done)
+
+    def launch(self, batch) -> InFlightStep:
+        """Queue the step on the device; each sequence that samples holds a PENDING token until it is read."""
+        seqs, out = self.runner.execute(batch, self.in_flight)
+        step = InFlightStep.launch(batch, seqs, out)
+        self.scheduler.mark_launched(batch)
+        for seq in seqs:
+            seq.token_ids.append(PENDING)
+            seq.num_pending += 1
+        return step
+
+    def process(self, step: InFlightStep) -> list[RequestOutput]:
+        """Read a launched step's tokens back (the step's one device → host sync) and hand them out."""
+        started = time.perf_counter()
+        token_ids, lp = step.wait()
+        self.device_wait_s += time.perf_counter() - started
+        # Skipped: aborted, or stopped at the step before, after this one was launched.
+        live = [i for i, seq in enumerate(step.seqs) if not seq.is_finished]
+        seqs = [step.seqs[i] for i in live]
+        lengths = []
+        for seq, i in zip(seqs, live):  # the token takes the place of the sequence's first PENDING one
+            known = seq.num_known_tokens
+            seq.token_ids[known] = token_ids[i]
+            seq.num_pending -= 1
+            lengths.append(known + 1)
+        self._check_tokens(seqs, [token_ids[i] for i in live], None if lp is None else [lp[i] for i in live], lengths)
         progressed: dict[str, Request] = {}
-        for i, (seq, token) in enumerate(zip(seqs, token_ids)):
-            self._append_token(seq, token, None if lp is None else (lp[0][i], lp[1][i], lp[2][i], lp[3][i]))
+        for seq in seqs:
+            if seq.is_finished and seq.num_pending:  # a later step's token, which nobody will read
+                del seq.token_ids[-seq.num_pending:]
+                seq.num_pending = 0
             progressed[seq.request_id] = self.requests[seq.request_id]
+        self.scheduler.cache_computed(step.batch.seqs)
         return self._outputs(progressed)
 
     def process_multi_step(self, batch, tokens: list[list[int]]) -> list[RequestOutput]:
         """Hand out a multi-step decode's tokens step by step; a sequence's tokens after it finished
         are dropped (their pages were freed with it)."""
-        progressed: dict[str, Request] = {}
-        for i, seq in enumerate(batch.seqs):
-            for row in tokens:
-                if seq.is_finished:
-                    break
+        for row in tokens:
+            live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
+            seqs = [batch.seqs[i] for i in live]
+            for seq, i in zip(seqs, live):
                 self.scheduler.mark_computed(seq, 1)
-                self._append_token(seq, row[i], None)
-            progressed[seq.request_id] = self.requests[seq.request_id]
-        return self._outputs(progressed)
+                seq.token_ids.append(row[i])
+            self._check_tokens(seqs, [row[i] for i in live], None, [seq.num_tokens for seq in seqs])
+        return self._outputs({seq.request_id: self.requests[seq.request_id] for seq in batch.seqs})
 
     def _outputs(self, progressed: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
@@ -258,32 +295,42 @@ class LLMEngine:
                 del self.requests[r.request_id]
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, lp) -> None:
-        seq.token_ids.append(token)
-        params = seq.params
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_dict(token, lp, params.logprobs))
-            seq.cumulative_logprob += lp[0]
-        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        detok = seq.detokenizer
-        if detok is not None and not stop_token:  # a stop token's text is not part of the output
-            if seq.text_at_end:
-                detok.ids.append(token)
-            else:
-                delta = detok.add(token)
-                seq.text += delta
-                if params.stop and delta and self._check_stop_strings(seq, len(delta)):
-                    return
-        if stop_token:
-            if detok is not None and seq.text_at_end:
-                seq.text += detok.emitted_by_add()  # a stop drops an unfinished character, as in streaming
-            seq.stop_reason = token if token in params.stop_token_ids else None
-            self.scheduler.finish(seq, "stop")
-        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or \
-                seq.num_tokens >= self.max_model_len:
-            if detok is not None:
-                seq.text += detok.flush()
-            self.scheduler.finish(seq, "length")
+    def _check_tokens(self, seqs: list[Sequence], tokens: list[int], lps: list | None, lengths: list[int]) -> None:
+        """Each sequence's token just became known, at position lengths[i] - 1: logprobs, text (one
+        batched detokenization for the step), stop tokens, stop strings, limits."""
+        stop_tokens, streamed = [], []
+        for k, (seq, token) in enumerate(zip(seqs, tokens)):
+            params = seq.params
+            if seq.logprobs is not None:
+                seq.logprobs.append(self._logprob_dict(token, lps[k], params.logprobs))
+                seq.cumulative_logprob += lps[k][0]
+            stop = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+            stop_tokens.append(stop)
+            if seq.detokenizer is not None and not stop:  # a stop token's text is not part of the output
+                if seq.text_at_end:
+                    seq.detokenizer.ids.append(token)
+                else:
+                    streamed.append(k)
+        deltas = add_tokens([seqs[k].detokenizer for k in streamed], [tokens[k] for k in streamed])
+        for k, delta in zip(streamed, deltas):
+            seq = seqs[k]
+            seq.text += delta
+            if seq.params.stop and delta:
+                self._check_stop_strings(seq, len(delta))
+        for seq, token, stop, num_tokens in zip(seqs, tokens, stop_tokens, lengths):
+            params, detok = seq.params, seq.detokenizer
+            if seq.is_finished:  # by a stop string
+                continue
+            if stop:
+                if detok is not None and seq.text_at_end:
+                    seq.text += detok.emitted_by_add()  # a stop drops an unfinished character, as in streaming
+                seq.stop_reason = token if token in params.stop_token_ids else None
+                self.scheduler.finish(seq, "stop")
+            elif (params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens) or \
+                    num_tokens >= self.max_model_len:
+                if detok is not None:
+                    seq.text += detok.flush()
+                self.scheduler.finish(seq, "length")
 
     def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
         """Cut the text just before the earliest stop string that the new text completes."""
@@ -311,8 +358,8 @@ class LLMEngine:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
 
     def _make_output(self, request: Request, finished: bool) -> RequestOutput:
-        completions = []
-        for seq in request.seqs:
+        completions, seqs = [], request.seqs
+        for seq in seqs:
             text = seq.text
             if seq.params.stop and not seq.is_finished:
                 # Hold back what might be the start of a stop string, so cumulative text never shrinks.
@@ -322,9 +369,10 @@ class LLMEngine:
             if request.delta:  # only what is new since the last output
                 assert len(text) >= seq.num_sent_chars, "the visible text shrank"
                 text, seq.num_sent_chars = text[seq.num_sent_chars:], len(text)
-                first, seq.num_sent_tokens = seq.num_sent_tokens, seq.num_output_tokens
+                first, seq.num_sent_tokens = seq.num_sent_tokens, seq.num_known_tokens - seq.num_prompt_tokens
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=seq.token_ids[seq.num_prompt_tokens + first:],  # a fresh slice
+                index=seq.index, text=text,
+                token_ids=seq.token_ids[seq.num_prompt_tokens + first:seq.num_known_tokens],  # a fresh slice
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=seq.logprobs[first:] if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
@@ -332,4 +380,5 @@ class LLMEngine:
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=prompt_ids, outputs=completions,
                              finished=finished,
-                             num_cached_tokens=min(s.num_cached_tokens for s in request.seqs))
+                             num_cached_tokens=seqs[0].num_cached_tokens if len(seqs) == 1 else
+                             min(s.num_cached_tokens for s in seqs))

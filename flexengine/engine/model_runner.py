@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 
 import numpy as np
@@ -24,6 +26,7 @@ from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_L
                       EngineConfig)
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .layer_mods import apply_mod_overrides, mod_params
+from .in_flight import InFlightStep, feed_inputs
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -51,6 +54,7 @@ class PackedStep:
     layout: StepLayout
     sample_seqs: list[Sequence]
     sample_rows: np.ndarray           # int64 [N]
+    last_rows: np.ndarray             # int64 [rows]: each sequence's last token in the packed batch
 
 
 def resolve_device(device: str) -> torch.device:
@@ -106,6 +110,7 @@ class ModelRunner:
         self.static_shapes = self.backend.name == "flex" and self.backend.compiled(self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
+        self._last_sampling: tuple[list[Sequence] | None, SamplingTensors | None] = (None, None)
 
         self.num_blocks = config.num_kv_blocks or self.measure_num_blocks()
         self.max_model_len = self.choose_max_model_len()
@@ -125,6 +130,12 @@ class ModelRunner:
             if self.compiled:
                 self.decode_graphs = self.capture_decode_graphs()
                 self.mixed_graphs = self.mixed_graph_runner(self.decode_graphs.pool)
+                if self.mixed_graphs.use_graphs:
+                    from ..compile.warmup import capture_mixed_graphs
+                    started = time.perf_counter()
+                    count = capture_mixed_graphs(self)
+                    logger.info("captured %d CUDA graphs for steps with prompt tokens in %.1f s", count,
+                                time.perf_counter() - started)
         elif self.compiled:  # flash: unpadded steps, no graphs; the compiled layer regions are dynamic in T
             from ..compile.warmup import warm_up_unpadded
             logger.info("warm-up (compiled layers, %s kernels): %.1f s", self.backend.name, warm_up_unpadded(self))
@@ -240,7 +251,8 @@ class ModelRunner:
         padded_lens[:R] = seq_lens
         # A sequence gets a token when this step computes its last known token (its prompt is done).
         done = [i for i, s in enumerate(seqs) if seq_lens[i] == s.num_tokens]
-        return PackedStep(ids, positions, slots, tables, padded_lens, layout, [seqs[i] for i in done], ends[done] - 1)
+        return PackedStep(ids, positions, slots, tables, padded_lens, layout, [seqs[i] for i in done], ends[done] - 1,
+                          ends - 1)
 
     def prepare_step(self, batch: ScheduledBatch, sampling: bool = True, packed: PackedStep | None = None) -> StepInputs:
         """pack_step (unless given), then the device half: one transfer per array, the metadata built once."""
@@ -280,6 +292,16 @@ class ModelRunner:
                 for name, p in sorted(self.mod_params.items())}
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        """The rows' sampling parameters on the device; those of the last call when its sequences were
+        the same (decode steps of an unchanged batch: no transfer)."""
+        last_seqs, last = self._last_sampling
+        if seqs == last_seqs:  # Sequence compares by identity
+            return last
+        tensors = self.build_sampling_tensors(seqs)
+        self._last_sampling = (list(seqs), tensors)
+        return tensors
+
+    def build_sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]
         no_k = float(1 << 30)  # top_k "disabled": larger than any vocabulary
         rows = np.asarray([(p.temperature, p.top_p, p.min_p, p.top_k if p.top_k > 0 else no_k) for p in params],
@@ -337,13 +359,17 @@ class ModelRunner:
         Tables are only as wide as the longest one: the graph buffers keep their full width, and
         columns past a request's last page are never read."""
         P, R = self.block_size, len(seqs)
-        W = max(len(s.block_table) for s in seqs)
-        packed = np.zeros((4 + W, R), dtype=np.int64)
-        for i, s in enumerate(seqs):
-            pos = s.num_tokens - 1
-            packed[0, i], packed[1, i], packed[3, i] = s.token_ids[pos], pos, pos + 1
-            packed[2, i] = s.block_table[pos // P] * P + pos % P
-            packed[4:4 + len(s.block_table), i] = s.block_table
+        tables = [s.block_table for s in seqs]
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=R)
+        packed = np.zeros((4 + int(lens.max()), R), dtype=np.int64)
+        # every page of every table at once: its column is its request, its row its index in the table
+        column = np.repeat(np.arange(R), lens)
+        packed[4 + np.arange(len(column)) - np.repeat(np.cumsum(lens) - lens, lens), column] = \
+            np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=len(column))
+        pos = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=R) - 1
+        packed[0] = [s.token_ids[-1] for s in seqs]
+        packed[1], packed[3] = pos, pos + 1
+        packed[2] = packed[4 + pos // P, np.arange(R)] * P + pos % P
         dev = self.to_device(packed)
         return dev[0], dev[1], dev[2], dev[4:].T.int(), dev[3].int(), self.attention_params(seqs)
 
@@ -354,25 +380,39 @@ class ModelRunner:
                 and g.bucket_for(len(batch.seqs)) is not None)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
-        """One step: → (sequences that got a token, their sampler output)."""
+    def execute(self, batch: ScheduledBatch, prev: InFlightStep | None = None) -> tuple[list[Sequence], SamplerOutput | None]:
+        """One step: → (sequences that got a token, their sampler output), both still on the device.
+
+        prev: the step launched before this one, whose samples are this step's PENDING input tokens."""
         if self.decode_with_graphs(batch):
-            logits = self.decode_graphs.run(*self.prepare_decode(batch.seqs))
+            ids, *rest = self.prepare_decode(batch.seqs)
+            feed_inputs(ids, self.feed(prev, batch.seqs, range(len(batch.seqs))))
+            logits = self.decode_graphs.run(ids, *rest)
             return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs))
         p = self.pack_step(batch) if self.mixed_graphs is not None else None
         if p is not None and self.mixed_graphs.fits(p.layout):  # a step with prompt tokens, from a graph
             hidden = self.mixed_graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
-                                           self.attention_params(batch.seqs, len(p.seq_lens)))
+                                           self.attention_params(batch.seqs, len(p.seq_lens)),
+                                           feed=partial(feed_inputs, fed=self.feed(prev, batch.seqs, p.last_rows)))
             inputs = StepInputs(  # the graph's buffers hold the model inputs
                 input_ids=None, positions=None, meta=None, sample_seqs=p.sample_seqs,
                 sample_rows=self.to_device(p.sample_rows),
                 sampling=self.sampling_tensors(p.sample_seqs) if p.sample_seqs else None)
         else:
+            p = p or self.pack_step(batch)
             inputs = self.prepare_step(batch, packed=p)
+            feed_inputs(inputs.input_ids, self.feed(prev, batch.seqs, p.last_rows))
             hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seqs:
             return [], None
         return inputs.sample_seqs, self.sample(hidden, inputs)
+
+    def feed(self, prev: InFlightStep | None, seqs: list[Sequence], last_rows):
+        """The rows of this step whose input is a PENDING sample of `prev`, with its values (on the device)."""
+        if prev is None:
+            assert not any(s.num_pending for s in seqs), "a PENDING token with no step in flight"
+            return None
+        return prev.feed(seqs, last_rows, self.device)
 
     @torch.inference_mode()
     def execute_multi_step(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -79,8 +79,8 @@ class Scheduler:
         for seq in decodes + prefills:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or self.at_limit(seq):
+                continue  # preempted earlier in this loop, or its pending token is its last
             n = min(seq.num_uncomputed_tokens, budget)
             if n < self.min_chunk(seq, seq.num_computed_tokens):
                 continue  # the rest of its prompt does not fit this step
@@ -126,6 +126,13 @@ class Scheduler:
             bm.allocate(seq, k)
         return ScheduledBatch(list(self.running), [1] * len(self.running), num_steps=k)
 
+    def at_limit(self, seq: Sequence) -> bool:
+        """Whether `seq` has all the tokens it may have, counting PENDING ones (async scheduling: it
+        finishes once they are read back, so it needs no more steps). Never true without pending tokens."""
+        limit = seq.params.max_tokens
+        return bool(seq.num_pending) and ((limit is not None and seq.num_output_tokens >= limit) or
+                                          (self.max_model_len is not None and seq.num_tokens >= self.max_model_len))
+
     def min_chunk(self, seq: Sequence, computed: int) -> int:
         """Fewest tokens a step may give `seq`: 1, or with whole prompts all of its uncomputed prompt."""
         return max(1, seq.num_prompt_tokens - computed) if self.whole_prompts else 1
@@ -133,6 +140,8 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted while its last token was in flight: recomputed once that token is known
             hits = self.block_manager.cached_prefix(seq)
             cached = len(hits) * self.block_manager.block_size
             n = min(seq.num_tokens - cached, budget)
@@ -168,6 +177,18 @@ class Scheduler:
         """After the model ran: the scheduled tokens have K/V; full pages enter the prefix cache."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             self.mark_computed(seq, n)
+
+    def mark_launched(self, batch: ScheduledBatch) -> None:
+        """The step is queued on the device: count its tokens as computed, so the next schedule moves on.
+        Pages enter the prefix cache later (cache_computed), once every token in them is known."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= seq.num_tokens
+
+    def cache_computed(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(seq)
 
     def mark_computed(self, seq: Sequence, n: int) -> None:
         seq.num_computed_tokens += n

@@ -18,6 +18,10 @@ class SequenceStatus(enum.Enum):
 
 _seq_ids = itertools.count()
 
+# A token sampled on the device but not yet read back (async scheduling): it holds its place in
+# token_ids, so scheduling and paging count it, and the next step reads its value on the device.
+PENDING = -1
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -46,6 +50,7 @@ class Sequence:
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0               # output tokens and text characters already reported,
     num_sent_chars: int = 0                # for a request that reports deltas
+    num_pending: int = 0                   # trailing token_ids that are PENDING
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +63,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host has: all but the trailing PENDING ones."""
+        return len(self.token_ids) - self.num_pending
 
     @property
     def num_uncomputed_tokens(self) -> int:

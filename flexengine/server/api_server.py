@@ -245,7 +245,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
 ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "enable_prefix_caching", "attention_backend", "enforce_eager",
-                "gpu_memory_utilization", "seed", "num_scheduler_steps")
+                "gpu_memory_utilization", "seed", "num_scheduler_steps", "async_scheduling")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -282,6 +282,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seed", type=int, default=None, help="engine seed for sampling (default 0)")
     engine.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="decode steps per schedule, fed on the device (CUDA graphs only; default 1)")
+    engine.add_argument("--async-scheduling", action="store_true", default=None,
+                        help="launch each step before reading the last one's tokens back, so that output "
+                             "processing overlaps the GPU (excludes --num-scheduler-steps > 1)")
 
 
 def engine_config_from_args(args: argparse.Namespace):

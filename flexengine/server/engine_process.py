@@ -30,7 +30,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from flexengine.config import EngineConfig
+from flexengine.config import EngineConfig, env_stats_interval_s
 from flexengine.outputs import RequestOutput
 from flexengine.sampling_params import SamplingParams
 from flexengine.server.pipe import MessageReader, MessageWriter
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0   # a step in flight finishes before the child exits; past this it is killed
 READY_LOG_EVERY_S = 30.0
+STATS_INTERVAL_S = env_stats_interval_s()
 
 
 # ---- messages ------------------------------------------------------------------------------------
@@ -152,9 +153,40 @@ def snapshot_of(engine) -> EngineSnapshot:
     return EngineSnapshot(engine.num_free_blocks(), engine.num_total_blocks, engine.get_num_unfinished_requests())
 
 
+class LoopStats:
+    """Where the engine loop's time goes, logged every few seconds while it works: waiting for the
+    device (reading a step's tokens back), waiting to send (the API process is behind), waiting for
+    requests, and the rest, host work (scheduling, inputs, outputs, detokenizing)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.steps = self.tokens = 0
+        self.idle_s = self.send_s = 0.0
+        self.device_s_at_start = None
+
+    def maybe_log(self, engine) -> "LoopStats":
+        now = time.perf_counter()
+        if self.device_s_at_start is None:
+            self.device_s_at_start = engine.device_wait_s
+        elapsed = now - self.start
+        if elapsed < STATS_INTERVAL_S:
+            return self
+        busy = elapsed - self.idle_s
+        if self.steps and busy > 0:
+            device = engine.device_wait_s - self.device_s_at_start
+            logger.info("engine: %.1f steps/s, %.0f tokens/s out, %d requests; of the busy time: waiting for the "
+                        "device %.0f%%, waiting to send %.0f%%, host work %.0f%%", self.steps / elapsed,
+                        self.tokens / elapsed, engine.get_num_unfinished_requests(), 100 * device / busy,
+                        100 * self.send_s / busy, 100 * (busy - device - self.send_s) / busy)
+        fresh = LoopStats()
+        fresh.device_s_at_start = engine.device_wait_s
+        return fresh
+
+
 class EngineLoop:
     def __init__(self, engine, inbox: queue.SimpleQueue, send):
         self.engine, self.inbox, self.send = engine, inbox, send
+        self.stats = LoopStats()
 
     def run(self) -> None:
         while True:
@@ -164,12 +196,21 @@ class EngineLoop:
             accepted, refused = self.apply(inputs)
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
             deltas = [d for output in outputs for d in self.deltas(output)]
+            started = time.perf_counter()
             self.send(StepOutputs(accepted, refused, deltas, snapshot_of(self.engine)))
+            self.stats.send_s += time.perf_counter() - started
+            self.stats.steps += bool(outputs)
+            self.stats.tokens += sum(len(d.token_ids) for d in deltas)
+            self.stats = self.stats.maybe_log(self.engine)
 
     def take_inputs(self) -> list[EngineInput] | None:
         """Everything that arrived since the last step, waiting for it when there is nothing to step;
         None when the API process closed the pipe."""
-        got = [] if self.engine.has_unfinished_requests() else [self.inbox.get()]
+        got = []
+        if not self.engine.has_unfinished_requests():
+            started = time.perf_counter()
+            got.append(self.inbox.get())
+            self.stats.idle_s += time.perf_counter() - started
         while not self.inbox.empty():  # this loop is the only reader
             got.append(self.inbox.get())
         return None if any(message is None for message in got) else got

@@ -1,0 +1,77 @@
+"""A launched step whose sampled tokens are still on their way to the host.
+
+With async scheduling the engine launches step N+1 before it reads step N's tokens: the host then
+detokenizes, checks stops and streams N's outputs while the GPU runs N+1. Step N+1 already holds a
+PENDING placeholder for each token of step N; `feed` gives the device rows that take their input from
+step N's samples, which never leave the device for that. Without async scheduling the engine reads a
+step back right after launching it, through the same object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention.metadata import to_device
+from ..layers.sampler import SamplerOutput
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+@dataclass
+class InFlightStep:
+    batch: ScheduledBatch
+    seqs: list[Sequence]                 # the sequences that sample a token, in row order
+    out: SamplerOutput | None            # on the device
+    host: list[torch.Tensor]             # token ids (then logprob tensors), copying to the host
+    copied: torch.cuda.Event | None      # recorded after the copies; None on the CPU
+    row_of: dict[int, int]               # seq_id → its row in out.token_ids
+
+    @classmethod
+    def launch(cls, batch: ScheduledBatch, seqs: list[Sequence], out: SamplerOutput | None) -> "InFlightStep":
+        """Start copying the step's samples to the host (the step itself is queued on the device)."""
+        host, copied = [], None
+        if out is not None:
+            parts = [out.token_ids]
+            if out.logprob is not None:
+                parts += [out.logprob, out.rank, out.top_ids, out.top_logprobs]
+            host = [t.to("cpu", non_blocking=True) for t in parts]  # pinned on CUDA: no wait here
+            if out.token_ids.is_cuda:
+                copied = torch.cuda.Event()
+                copied.record()
+        return cls(batch, seqs, out, host, copied, {s.seq_id: i for i, s in enumerate(seqs)})
+
+    def wait(self) -> tuple[list[int], list[tuple] | None]:
+        """The sampled token ids, and per row (logprob, rank, top ids, top logprobs) when asked for."""
+        if self.copied is not None:
+            self.copied.synchronize()  # only this step: the one launched after it keeps running
+        if not self.host:
+            return [], None
+        lists = [t.tolist() for t in self.host]
+        return lists[0], (list(zip(*lists[1:])) if len(lists) > 1 else None)
+
+    def feed(self, seqs: list[Sequence], last_rows, device) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """(rows, token ids) on the device: the input rows (each sequence's last, at `last_rows`) whose
+        token is this step's still-pending sample, and that sample; rows None: the leading rows, one per
+        sample in order (a decode step of the same sequences, the usual case: no transfer). None when no
+        row waits on this step."""
+        if seqs == self.seqs and all(s.num_pending for s in seqs) and \
+                np.array_equal(np.asarray(last_rows), np.arange(len(seqs))):
+            return None, self.out.token_ids
+        pairs = [(int(row), self.row_of[s.seq_id]) for s, row in zip(seqs, last_rows) if s.num_pending]
+        if not pairs:
+            return None
+        index = to_device(np.asarray(pairs, dtype=np.int64).T.copy(), device)
+        return index[0], self.out.token_ids.index_select(0, index[1])
+
+
+def feed_inputs(input_ids: torch.Tensor, fed: tuple[torch.Tensor | None, torch.Tensor] | None) -> None:
+    """Write the pending tokens' values into a step's input ids, on the device."""
+    if fed is None:
+        return
+    rows, values = fed
+    if rows is None:
+        input_ids[:len(values)].copy_(values)
+    else:
+        input_ids.index_copy_(0, rows, values)
