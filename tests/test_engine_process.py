@@ -140,3 +140,24 @@ def test_no_process_outlives_the_server(servers):
     to_kill.kill()  # SIGKILL: the engine process sees its input pipe close
     to_kill.wait()
     wait_gone(left)
+
+
+def test_loop_stats_split_the_busy_time(monkeypatch, caplog):
+    """The engine loop's stats line: the interval's device wait, send wait and the rest (host work)
+    as shares of the busy time; the next interval starts from the engine's running total."""
+    import re
+    from types import SimpleNamespace
+
+    from flexengine.server import engine_process
+    monkeypatch.setattr(engine_process, "STATS_INTERVAL_S", 0.0)
+    engine = SimpleNamespace(device_wait_s=10.0, get_num_unfinished_requests=lambda: 3)
+    stats = engine_process.LoopStats(engine.device_wait_s)
+    time.sleep(0.2)
+    engine.device_wait_s += 0.1  # about half the interval on the device
+    stats.send_s, stats.steps, stats.tokens = 0.05, 4, 8
+    with caplog.at_level("INFO", logger="flexengine.server.engine_process"):
+        following = stats.maybe_log(engine)
+    line = caplog.records[-1].getMessage()
+    device, send, host = map(int, re.search(r"device (\d+)%, waiting to send (\d+)%, host work (\d+)%", line).groups())
+    assert 30 <= device <= 50 and 15 <= send <= 25 and device + send + host in (99, 100, 101), line
+    assert "3 requests" in line and following.device_s_at_start == engine.device_wait_s and following.steps == 0

@@ -61,7 +61,8 @@ class Sim:
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 self.shadow.slots[seq.block_table[pos // self.bm.block_size]][pos % self.bm.block_size] = \
                     tuple(seq.token_ids[:pos + 1])
-        self.sched.update_computed(batch)
+        self.sched.mark_launched(batch)  # the engine's order: launch, then cache the computed pages
+        self.sched.cache_computed(batch.seqs)
         for seq in batch.seqs:
             if seq.num_computed_tokens == seq.num_tokens:  # prompt done: sample
                 seq.token_ids.append(fake_token(seq))

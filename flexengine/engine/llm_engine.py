@@ -296,8 +296,8 @@ class LLMEngine:
         return outputs
 
     def _check_tokens(self, seqs: list[Sequence], tokens: list[int], lps: list | None, lengths: list[int]) -> None:
-        """Each sequence's token just became known, at position lengths[i] - 1: logprobs, text (one
-        batched detokenization for the step), stop tokens, stop strings, limits."""
+        """Each sequence's token just became known, at position lengths[i] - 1: logprobs, text (the step's
+        sequences detokenized in one pass), stop tokens, stop strings, limits."""
         stop_tokens, streamed = [], []
         for k, (seq, token) in enumerate(zip(seqs, tokens)):
             params = seq.params

@@ -173,11 +173,6 @@ class Scheduler:
         batch.preempted.append(victim)
         return refund
 
-    def update_computed(self, batch: ScheduledBatch) -> None:
-        """After the model ran: the scheduled tokens have K/V; full pages enter the prefix cache."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            self.mark_computed(seq, n)
-
     def mark_launched(self, batch: ScheduledBatch) -> None:
         """The step is queued on the device: count its tokens as computed, so the next schedule moves on.
         Pages enter the prefix cache later (cache_computed), once every token in them is known."""
@@ -186,11 +181,13 @@ class Scheduler:
             assert seq.num_computed_tokens <= seq.num_tokens
 
     def cache_computed(self, seqs: list[Sequence]) -> None:
+        """After a launched step is read back: the full pages of its sequences enter the prefix cache."""
         for seq in seqs:
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq)
 
     def mark_computed(self, seq: Sequence, n: int) -> None:
+        """A multi-step decode's token by token: its K/V is in the cache, and a page it fills is cached."""
         seq.num_computed_tokens += n
         assert seq.num_computed_tokens <= seq.num_tokens
         self.block_manager.cache_full_blocks(seq)

@@ -158,17 +158,15 @@ class LoopStats:
     device (reading a step's tokens back), waiting to send (the API process is behind), waiting for
     requests, and the rest, host work (scheduling, inputs, outputs, detokenizing)."""
 
-    def __init__(self):
+    def __init__(self, device_wait_s: float):
         self.start = time.perf_counter()
         self.steps = self.tokens = 0
         self.idle_s = self.send_s = 0.0
-        self.device_s_at_start = None
+        self.device_s_at_start = device_wait_s  # the engine's running total when this interval began
 
     def maybe_log(self, engine) -> "LoopStats":
-        now = time.perf_counter()
-        if self.device_s_at_start is None:
-            self.device_s_at_start = engine.device_wait_s
-        elapsed = now - self.start
+        """Log the interval once it is long enough; → the stats to count into next."""
+        elapsed = time.perf_counter() - self.start
         if elapsed < STATS_INTERVAL_S:
             return self
         busy = elapsed - self.idle_s
@@ -178,15 +176,13 @@ class LoopStats:
                         "device %.0f%%, waiting to send %.0f%%, host work %.0f%%", self.steps / elapsed,
                         self.tokens / elapsed, engine.get_num_unfinished_requests(), 100 * device / busy,
                         100 * self.send_s / busy, 100 * (busy - device - self.send_s) / busy)
-        fresh = LoopStats()
-        fresh.device_s_at_start = engine.device_wait_s
-        return fresh
+        return LoopStats(engine.device_wait_s)
 
 
 class EngineLoop:
     def __init__(self, engine, inbox: queue.SimpleQueue, send):
         self.engine, self.inbox, self.send = engine, inbox, send
-        self.stats = LoopStats()
+        self.stats = LoopStats(engine.device_wait_s)
 
     def run(self) -> None:
         while True:
