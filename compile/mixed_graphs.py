@@ -8,9 +8,9 @@ A graph's shapes are fixed by the step's layout buckets (decode rows, their spli
 tiles): the tokens are padded to `num_decode + num_tiles * Q_TILE`, padded tokens write their K/V to
 the scratch slot, and the page lists and BlockMasks are built on the device inside the graph from
 static buffers, as in the decode graphs. The host packs the step into ONE array and copies it in.
-A graph is captured the first time its key is met (that step runs the same code eagerly and uses its
-result), so only the layouts that traffic produces cost memory. Steps with more than `max_tiles`
-prefill tiles run without a graph: their launches are spread over many tokens.
+The engine captures every key at start-up (compile/warmup.capture_mixed_graphs); a key met later
+anyway is captured then (that step runs the same code eagerly and uses its result). Steps with more
+than `max_tiles` prefill tiles run without a graph: their launches are spread over many tokens.
 """
 from __future__ import annotations
 

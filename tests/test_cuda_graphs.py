@@ -97,21 +97,15 @@ def test_graphs_equal_eager_and_no_recompiles_after_warm_up():
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_eager))
     assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ between graphs and eager"
     del eager
-    multi = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, num_scheduler_steps=4,
-                attention_backend="flex")
-    before = compile_count()
-    out_multi = multi.generate(prompts, params, use_tqdm=False)
-    assert compile_count() == before, "a shape compiled after warm-up (multi-step)"
-    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_multi))
-    assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ with 4 steps per schedule"
-    del multi
-    overlapped = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, async_scheduling=True,
-                     attention_backend="flex")
-    before = compile_count()
-    out_async = overlapped.generate(prompts, params, use_tqdm=False)
-    assert compile_count() == before, "a shape compiled after warm-up (async scheduling)"
-    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_async))
-    assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ with async scheduling"
+    for flags, how in ((dict(num_scheduler_steps=4), "with 4 steps per schedule"),
+                       (dict(async_scheduling=True), "with async scheduling")):
+        llm = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, attention_backend="flex", **flags)
+        before = compile_count()
+        out = llm.generate(prompts, params, use_tqdm=False)
+        assert compile_count() == before, f"a shape compiled after warm-up ({how})"
+        same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out))
+        assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ {how}"
+        del llm
 
 
 def test_fused_elementwise_matches_eager():

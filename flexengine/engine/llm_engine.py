@@ -326,8 +326,7 @@ class LLMEngine:
                     seq.text += detok.emitted_by_add()  # a stop drops an unfinished character, as in streaming
                 seq.stop_reason = token if token in params.stop_token_ids else None
                 self.scheduler.finish(seq, "stop")
-            elif (params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens) or \
-                    num_tokens >= self.max_model_len:
+            elif seq.reaches_length_limit(num_tokens, self.max_model_len):
                 if detok is not None:
                     seq.text += detok.flush()
                 self.scheduler.finish(seq, "length")

@@ -342,7 +342,7 @@ class ModelRunner:
         return graphs
 
     def mixed_graph_runner(self, pool):
-        """Graphs for steps with prompt tokens, captured as traffic meets their layouts (compile/mixed_graphs.py)."""
+        """Graphs for steps with prompt tokens (compile/mixed_graphs.py); the caller captures them at start-up."""
         from ..compile.mixed_graphs import MixedGraphRunner
         return MixedGraphRunner(
             self.run_model, self.backend, self.mods, rows=self.config.max_num_seqs, table_width=self.table_width,

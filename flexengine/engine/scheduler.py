@@ -129,9 +129,7 @@ class Scheduler:
     def at_limit(self, seq: Sequence) -> bool:
         """Whether `seq` has all the tokens it may have, counting PENDING ones (async scheduling: it
         finishes once they are read back, so it needs no more steps). Never true without pending tokens."""
-        limit = seq.params.max_tokens
-        return bool(seq.num_pending) and ((limit is not None and seq.num_output_tokens >= limit) or
-                                          (self.max_model_len is not None and seq.num_tokens >= self.max_model_len))
+        return bool(seq.num_pending) and seq.reaches_length_limit(seq.num_tokens, self.max_model_len)
 
     def min_chunk(self, seq: Sequence, computed: int) -> int:
         """Fewest tokens a step may give `seq`: 1, or with whole prompts all of its uncomputed prompt."""

@@ -69,6 +69,13 @@ class Sequence:
         """Tokens whose values the host has: all but the trailing PENDING ones."""
         return len(self.token_ids) - self.num_pending
 
+    def reaches_length_limit(self, num_tokens: int, max_model_len: int | None) -> bool:
+        """Whether `num_tokens` tokens (prompt included) are all this sequence may have: its max_tokens
+        outputs, or max_model_len."""
+        limit = self.params.max_tokens
+        return (limit is not None and num_tokens - self.num_prompt_tokens >= limit) or \
+            (max_model_len is not None and num_tokens >= max_model_len)
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
