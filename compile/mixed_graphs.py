@@ -26,7 +26,9 @@ from ..attention.metadata import LAYOUT_FIELDS, Q_TILE, StepLayout, metadata_on_
 
 logger = logging.getLogger(__name__)
 
-MAX_GRAPH_TILES = 8  # prefill tiles (1,024 prompt tokens) the largest mixed graph holds
+# Prefill tiles the largest mixed graph holds: 2,048 prompt tokens, a full step at the default token
+# budget (the scheduler cuts chunks on whole tiles, so such a step has at most 16).
+MAX_GRAPH_TILES = 16
 
 
 @dataclass(frozen=True)

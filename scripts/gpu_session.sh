@@ -51,7 +51,7 @@ e2e() {
 
 for stage in ${*:-tests attention compare latency}; do
   case $stage in
-    tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short tests ;;
+    tests) step gpu_tests 330 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short tests ;;
     attention) step attention 300 python3 -m flexengine.benchmarks.attention --json "$OUT/attention.json" ;;
     compare) e2e compare_transformers ;;
     throughput|latency) e2e "$stage" ;;

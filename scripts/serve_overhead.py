@@ -5,7 +5,8 @@ on the same workload in the same run, with the model step made near-free.
     python scripts/serve_overhead.py --request-rate 16    # TPOT at a fixed rate
     python scripts/serve_overhead.py --client-only        # the bench client's own capacity
 
-The model step is replaced by a sleep of --step-ms + --step-us-per-seq x batch (the GIL is released
+The model step is replaced by a sleep of --step-ms + --step-us-per-seq x batch + --step-us-per-token x
+prompt tokens (the GIL is released
 while sleeping, as it is while a GPU step runs), in the offline engine and in the server's engine
 process alike (FAKE_STEP_ENV below), returning printable random tokens: what is left is
 the host work of scheduling, output building, detokenizing and, for the server, HTTP streaming. The
@@ -38,11 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--step-ms", type=float, default=2.0, help="fake step: fixed time per step")
     p.add_argument("--step-us-per-seq", type=float, default=25.0, help="fake step: extra time per sequence")
+    p.add_argument("--step-us-per-token", type=float, default=0.0,
+                   help="fake step: extra time per prompt token beyond one per sequence (4 mimics prefill on an "
+                        "H100: 8 ms per 2,048 tokens)")
     p.add_argument("--real-model", action="store_true", help="run the tiny model instead of the fake step")
     p.add_argument("--client-only", action="store_true", help="only the bench client against a fake SSE server")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--server-args", default="", help="extra `flexengine serve` flags")
     p.add_argument("--async-scheduling", action="store_true", help="the offline engine and the server both")
+    p.add_argument("--server-log", help="keep the server's log (its engine's stats lines: FLEXENGINE_STATS_INTERVAL_S)")
     p.add_argument("--role", default="main", choices=["main", "server", "fake-sse"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -56,7 +61,7 @@ def engine_flags(args) -> dict:
 
 # ---- the near-free model step ------------------------------------------------------------------------
 
-def fake_model_step(step_ms: float, step_us_per_seq: float) -> None:
+def fake_model_step(step_ms: float, step_us_per_seq: float, step_us_per_token: float = 0.0) -> None:
     """Replace the model step with a fake device: a step returns at once with random printable tokens,
     which can be read back (InFlightStep.wait sleeps, releasing the GIL) once the device is through
     it. Steps queue on the device one after another, so async scheduling overlaps host and device
@@ -72,7 +77,7 @@ def fake_model_step(step_ms: float, step_us_per_seq: float) -> None:
     def execute(self, batch, prev=None):
         # The sequences whose prompt is complete after this step get a token (as prepare_step picks them).
         seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
-        step_s = (step_ms + step_us_per_seq * len(batch.seqs) / 1000) / 1000
+        step_s = (step_ms + (step_us_per_seq * len(batch.seqs) + step_us_per_token * (batch.num_tokens - len(batch.seqs))) / 1000) / 1000
         device["free_at"] = max(time.perf_counter(), device["free_at"]) + step_s
         if not seqs:
             return [], None
@@ -127,7 +132,8 @@ def free_port() -> int:
 
 def start(role: str, args, port: int, log) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--role", role, "--port", str(port), "--step-ms", str(args.step_ms),
-           "--step-us-per-seq", str(args.step_us_per_seq), "--num-prompts", str(args.num_prompts),
+           "--step-us-per-seq", str(args.step_us_per_seq),
+           "--step-us-per-token", str(args.step_us_per_token), "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--server-args", args.server_args] + (["--real-model"] if args.real_model else []) + \
         (["--async-scheduling"] if args.async_scheduling else [])
@@ -189,7 +195,7 @@ def against(role: str, args) -> dict:
     during the run (in "cpu_s")."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile("w+") as log:
+    with (open(args.server_log, "w+") if args.server_log and role == "server" else tempfile.TemporaryFile("w+")) as log:
         proc = start(role, args, port, log)
         try:
             wait_ready(proc, url, log)
@@ -206,7 +212,7 @@ def against(role: str, args) -> dict:
 def serve(args) -> int:
     from flexengine import cli
     if not args.real_model:
-        os.environ[FAKE_STEP_ENV] = f"{args.step_ms},{args.step_us_per_seq}"  # for the engine process
+        os.environ[FAKE_STEP_ENV] = f"{args.step_ms},{args.step_us_per_seq},{args.step_us_per_token}"  # for the engine process
     flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
              for k, v in engine_flags(args).items()]
     return cli.main(["serve", "--port", str(args.port), "--uvicorn-log-level", "warning", *flags,
@@ -265,7 +271,7 @@ async def fake_sse(args) -> None:
 # ---- report ------------------------------------------------------------------------------------------
 
 def report(args, offline: tuple[float, float] | None, served: dict | None, client: dict | None) -> None:
-    mode = "tiny model" if args.real_model else f"fake step {args.step_ms} ms + {args.step_us_per_seq} us/seq"
+    mode = "tiny model" if args.real_model else f"fake step {args.step_ms} ms + {args.step_us_per_seq} us/seq + {args.step_us_per_token} us/prompt token"
     print(f"# serve overhead | CPU x{os.cpu_count()} | {mode} | {args.num_prompts} prompts x {args.input_len} in "
           f"x {args.output_len} out | request rate {args.request_rate}")
     if offline is not None:
@@ -274,6 +280,9 @@ def report(args, offline: tuple[float, float] | None, served: dict | None, clien
         print(f"server (bench serve)  {served['output_throughput']:10.0f} output tok/s   median TPOT "
               f"{served['median_tpot_ms']:.2f} ms, median TTFT {served['median_ttft_ms']:.0f} ms, "
               f"failed {served['failed']}")
+        ttft = sorted(1000 * r["ttft"] for r in served["requests"] if r["success"])
+        print(f"                      TTFT first / median / last request {ttft[0]:.0f} / {ttft[len(ttft) // 2]:.0f} / "
+              f"{ttft[-1]:.0f} ms")
         chunks = [len(r["itl"]) + 1 for r in served["requests"] if r["success"]]
         print(f"                      {sum(chunks) / len(chunks):10.1f} chunks per request "
               f"(< output len: the server merged tokens that queued up)")
@@ -302,7 +311,7 @@ def main() -> int:
     offline = None
     if not args.skip_offline:
         if not args.real_model:
-            fake_model_step(args.step_ms, args.step_us_per_seq)
+            fake_model_step(args.step_ms, args.step_us_per_seq, args.step_us_per_token)
         offline = run_offline(args)
     report(args, offline, against("server", args), None)
     return 0

@@ -73,9 +73,10 @@ def sampling_of(r: dict, i: int) -> SamplingParams:
     return SamplingParams(temperature=0.9, seed=100 + i, n=2 if r["kind"] == "n2" else 1, **kw)
 
 
-def drive(path: str, requests: list[dict], config: dict, async_scheduling: bool) -> dict:
+def drive(path: str, requests: list[dict], config: dict, async_scheduling: bool, rows: bool = False) -> dict:
     """Run the traffic to the end; → {request id: [(token ids, text, finish reason, logprobs)] per completion}
-    for the requests not aborted. Delta outputs are joined, so both kinds compare alike."""
+    for the requests not aborted. Delta outputs are joined, so both kinds compare alike. rows: every
+    request streams, and the engine steps with step_deltas() (as the server's engine loop does)."""
     engine = LLMEngine(EngineConfig(model=path, async_scheduling=async_scheduling, **config))
     prompts = prompts_of([r["length"] for r in requests], seed=5)
     seen: dict[str, dict[int, tuple]] = {}
@@ -83,19 +84,21 @@ def drive(path: str, requests: list[dict], config: dict, async_scheduling: bool)
     while step <= 5 or engine.has_unfinished_requests():
         for i, r in enumerate(requests):
             if r["arrival"] == step:
-                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, sampling_of(r, i), delta=r["delta"])
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, sampling_of(r, i),
+                                   delta=r["delta"] or rows)
                 with pytest.raises(ValueError, match="outside the vocabulary"):  # changes nothing
                     engine.add_request("bad", {"prompt_token_ids": [VOCAB]}, GREEDY)
             if r["abort_at"] == step:
                 engine.abort_request(str(i))
-        for out in engine.step():
-            completions = seen.setdefault(out.request_id, {})
-            for c in out.outputs:
-                new = (c.token_ids, c.text, c.finish_reason, c.logprobs or [])
-                old = completions.get(c.index)
-                if requests[int(out.request_id)]["delta"] and old is not None:
-                    new = (old[0] + new[0], old[1] + new[1], new[2], old[3] + new[3])
-                completions[c.index] = new
+        got = [(row.request_id, row) for row in engine.step_deltas()] if rows else \
+            [(out.request_id, c) for out in engine.step() for c in out.outputs]
+        for rid, c in got:
+            completions = seen.setdefault(rid, {})
+            new = (c.token_ids, c.text, c.finish_reason, c.logprobs or [])
+            old = completions.get(c.index)
+            if (rows or requests[int(rid)]["delta"]) and old is not None:
+                new = (old[0] + new[0], old[1] + new[1], new[2], old[3] + new[3])
+            completions[c.index] = new
         step += 1
     assert engine.num_free_blocks() == engine.num_total_blocks and not engine.requests
     return {rid: got for rid, got in seen.items() if requests[int(rid)]["abort_at"] is None}
@@ -106,12 +109,13 @@ def drive(path: str, requests: list[dict], config: dict, async_scheduling: bool)
        config=st.fixed_dictionaries({
            "num_kv_blocks": st.integers(12, 40), "block_size": st.sampled_from([4, 8]),
            "max_num_seqs": st.integers(1, 4), "max_num_batched_tokens": st.sampled_from([8, 16, 64]),
-           "enable_prefix_caching": st.booleans()}))
-def test_random_traffic_same_outputs_as_without(requests, config):
+           "enable_prefix_caching": st.booleans()}), rows=st.booleans())
+def test_random_traffic_same_outputs_as_without(requests, config, rows):
+    """rows: the async engine streams everything through step_deltas(), the server's way."""
     _, path = checkpoint()
     config["max_model_len"] = 40  # the longest prompt and output
     sync = drive(path, requests, config, async_scheduling=False)
-    got = drive(path, requests, config, async_scheduling=True)
+    got = drive(path, requests, config, async_scheduling=True, rows=rows)
     assert {rid: {i: c[:3] for i, c in cs.items()} for rid, cs in got.items()} == \
            {rid: {i: c[:3] for i, c in cs.items()} for rid, cs in sync.items()}  # tokens, text, finish reason
     for rid, completions in sync.items():

@@ -3,6 +3,7 @@ flight loudly, and no process outlives the server. Real `flexengine serve` proce
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -11,6 +12,10 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings, strategies as st
+
+from flexengine.outputs import CompletionDelta
+from flexengine.server import engine_process
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -142,22 +147,57 @@ def test_no_process_outlives_the_server(servers):
     wait_gone(left)
 
 
+def test_engine_process_freezes_its_start_up_heap(servers):
+    """Start-up objects leave garbage collection (a full collection walked all of them while serving)."""
+    import re
+    _, (_, _, log), _ = servers
+    log.seek(0)
+    found = re.search(r"(\d+) start-up objects left out of garbage collection", log.read())
+    assert found and int(found.group(1)) > 10_000, found
+
+
+row_st = st.builds(
+    CompletionDelta, st.text(max_size=5), st.integers(0, 3), st.text(max_size=8), st.lists(st.integers(0, 99), max_size=3),
+    st.none() | st.lists(st.dictionaries(st.integers(0, 99), st.floats(allow_nan=False), max_size=2), max_size=2),
+    st.none() | st.floats(allow_nan=False), st.sampled_from([None, "stop", "length", "abort"]),
+    st.none() | st.integers(0, 99) | st.text(max_size=3), st.integers(0, 64))
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.lists(row_st, max_size=6))
+def test_step_outputs_pickle_their_rows_as_columns(rows):
+    """A step's message comes back as it was sent, its rows as CompletionDelta (the API reads fields by name)."""
+    message = engine_process.StepOutputs([engine_process.Accepted("a", "hi", [1, 2])], [("b", "too long")], rows,
+                                         engine_process.EngineSnapshot(3, 8, 2))
+    back = pickle.loads(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == message and all(type(row) is CompletionDelta for row in back.deltas)
+
+
 def test_loop_stats_split_the_busy_time(monkeypatch, caplog):
     """The engine loop's stats line: the interval's device wait, send wait and the rest (host work)
     as shares of the busy time; the next interval starts from the engine's running total."""
     import re
     from types import SimpleNamespace
 
-    from flexengine.server import engine_process
     monkeypatch.setattr(engine_process, "STATS_INTERVAL_S", 0.0)
     engine = SimpleNamespace(device_wait_s=10.0, get_num_unfinished_requests=lambda: 3)
-    stats = engine_process.LoopStats(engine.device_wait_s)
+    stats = engine_process.LoopStats(engine.device_wait_s, engine_process.compile_count())
     time.sleep(0.2)
     engine.device_wait_s += 0.1  # about half the interval on the device
-    stats.send_s, stats.steps, stats.tokens = 0.05, 4, 8
+    stats.send_s, stats.steps, stats.tokens, stats.arrived = 0.05, 4, 8, 2
     with caplog.at_level("INFO", logger="flexengine.server.engine_process"):
         following = stats.maybe_log(engine)
     line = caplog.records[-1].getMessage()
     device, send, host = map(int, re.search(r"device (\d+)%, waiting to send (\d+)%, host work (\d+)%", line).groups())
     assert 30 <= device <= 50 and 15 <= send <= 25 and device + send + host in (99, 100, 101), line
-    assert "3 requests" in line and following.device_s_at_start == engine.device_wait_s and following.steps == 0
+    assert "3 requests (2 arrived)" in line and following.device_s_at_start == engine.device_wait_s and following.steps == 0
+    assert not any(r.levelname == "WARNING" for r in caplog.records)  # nothing compiled meanwhile
+
+    # A graph compiled while serving (a shape start-up missed) is logged as a warning, once per interval.
+    monkeypatch.setattr(engine_process, "compile_count", lambda: following.compiles_at_start + 2)
+    following.steps = 1
+    with caplog.at_level("INFO", logger="flexengine.server.engine_process"):
+        after = following.maybe_log(engine)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "2 graphs compiled while serving" in warnings[0]
+    assert after.compiles_at_start == following.compiles_at_start + 2

@@ -23,9 +23,9 @@ def fake_token(seq):
 class Sim:
     """Scheduler + block manager + a fake model runner."""
 
-    def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, caching=True):
+    def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, caching=True, chunk_align=1):
         self.bm = BlockManager(num_blocks, block_size, caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, max_tokens_per_step)
+        self.sched = Scheduler(self.bm, max_num_seqs, max_tokens_per_step, chunk_align=chunk_align)
         self.shadow = Shadow(num_blocks, block_size)
         self.max_model_len = num_blocks * block_size
         self.targets = {}
@@ -54,8 +54,11 @@ class Sim:
             assert all(s in batch.seqs for s in decodes)
         for seq in batch.preempted:
             assert seq.status is SequenceStatus.WAITING and seq.block_table == [] and seq not in batch.seqs
+        align = self.sched.chunk_align
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert seq.status is SequenceStatus.RUNNING and n >= 1
+            if n < seq.num_uncomputed_tokens:  # a chunk cut short ends on whole tiles, if it holds one
+                assert n % align == 0 or n < align, (n, align)
             assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens + n
             self.shadow.check(seq)  # prefix-cache hits hold this sequence's own prefix
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
@@ -113,6 +116,22 @@ def test_chunked_prefill_and_mixed_step():
     assert a.token_ids == expected_tokens(range(20), 24)
 
 
+def test_chunk_cut_by_the_budget_ends_on_whole_tiles():
+    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=10, chunk_align=4)
+    a = sim.add(list(range(21)), 2)
+    assert sim.step().num_new_tokens == [8]  # not 10: the chunk ends on a tile boundary
+    b = sim.add([1, 2, 3], 2)
+    batch = sim.step()  # a's next 8; the 2 left hold no tile, so b gets them
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [8, 2]
+    batch = sim.step()  # b's last prompt token goes first (one token, as a decode), then a's last 5
+    assert batch.seqs == [b, a] and batch.num_new_tokens == [1, 5]
+    c = sim.add(list(range(30)), 1)
+    batch = sim.step()  # two decodes leave 8: c's chunk is two whole tiles
+    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [1, 1, 8]
+    sim.drain()
+    assert a.token_ids == expected_tokens(range(21), 23)
+
+
 def test_decodes_go_before_prefill_chunks():
     sim = Sim(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=8)
     a = sim.add([1, 2, 3], 10)
@@ -161,10 +180,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.prompts = {}
 
     @rule(num_blocks=st.integers(3, 12), block_size=st.sampled_from([1, 2, 4]), max_num_seqs=st.integers(1, 5),
-          budget=st.integers(1, 12), caching=st.booleans())
+          budget=st.integers(1, 12), caching=st.booleans(), chunk_align=st.sampled_from([1, 3, 4]))
     @precondition(lambda self: self.sim is None)
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, caching):
-        self.sim = Sim(num_blocks, block_size, max_num_seqs, budget, caching)
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, caching, chunk_align):
+        self.sim = Sim(num_blocks, block_size, max_num_seqs, budget, caching, chunk_align)
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4], [3, 3]]),
           suffix=st.lists(st.integers(0, 4), max_size=5), max_new=st.integers(1, 6))

@@ -327,7 +327,7 @@ from hypothesis import strategies as st  # noqa: E402
 from flexengine.outputs import Logprob  # noqa: E402
 from flexengine.server import protocol, responses  # noqa: E402
 from flexengine.server.async_engine import RequestGroup, RequestState  # noqa: E402
-from flexengine.server.engine_process import CompletionDelta  # noqa: E402
+from flexengine.outputs import CompletionDelta  # noqa: E402
 
 REASONS = st.sampled_from([None, "stop", "length", "abort"])
 

@@ -15,9 +15,10 @@ import math
 import os
 import time
 
+from ..attention.metadata import Q_TILE
 from ..config import EngineConfig
 from ..masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
-from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..outputs import CompletionDelta, CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer, add_tokens
 from .block_manager import BlockManager
@@ -65,7 +66,7 @@ class LLMEngine:
                         config.num_scheduler_steps)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    whole_prompts=self.look_ahead is not None, num_scheduler_steps=steps,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, chunk_align=Q_TILE)
         self.requests: dict[str, Request] = {}
         self.async_scheduling = config.async_scheduling
         self.in_flight: InFlightStep | None = None  # async scheduling: launched, not yet read back
@@ -223,6 +224,15 @@ class LLMEngine:
         Without async scheduling that is the step just launched. With it, the step launched by the
         previous call: its tokens are read back and processed while the new one runs on the device.
         """
+        return self._outputs(self._step())
+
+    def step_deltas(self) -> list[CompletionDelta]:
+        """step() for streamed requests (all added with delta=True): what each completion gained, as
+        rows, without the RequestOutputs (the server's engine loop sends these)."""
+        return self._deltas(self._step())
+
+    def _step(self) -> dict[str, Request]:
+        """Run a step; → the requests that progressed in the step it completes."""
         batch = self.scheduler.schedule()
         if batch.num_steps > 1:
             tokens = self.runner.execute_multi_step(batch).tolist()  # the steps' one device → host sync
@@ -236,7 +246,7 @@ class LLMEngine:
             # The cache holds a whole max_model_len request, so with work queued a step always runs something.
             assert self.in_flight is not None or not self.scheduler.has_unfinished(), \
                 "the scheduler could not run any queued sequence"
-            return []
+            return {}
         return self.process(done)
 
     def launch(self, batch) -> InFlightStep:
@@ -249,8 +259,9 @@ class LLMEngine:
             seq.num_pending += 1
         return step
 
-    def process(self, step: InFlightStep) -> list[RequestOutput]:
-        """Read a launched step's tokens back (the step's one device → host sync) and hand them out."""
+    def process(self, step: InFlightStep) -> dict[str, Request]:
+        """Read a launched step's tokens back (the step's one device → host sync) and hand them out;
+        → the requests that progressed."""
         started = time.perf_counter()
         token_ids, lp = step.wait()
         self.device_wait_s += time.perf_counter() - started
@@ -271,9 +282,9 @@ class LLMEngine:
                 seq.num_pending = 0
             progressed[seq.request_id] = self.requests[seq.request_id]
         self.scheduler.cache_computed(step.batch.seqs)
-        return self._outputs(progressed)
+        return progressed
 
-    def process_multi_step(self, batch, tokens: list[list[int]]) -> list[RequestOutput]:
+    def process_multi_step(self, batch, tokens: list[list[int]]) -> dict[str, Request]:
         """Hand out a multi-step decode's tokens step by step; a sequence's tokens after it finished
         are dropped (their pages were freed with it)."""
         for row in tokens:
@@ -283,7 +294,7 @@ class LLMEngine:
                 self.scheduler.mark_computed(seq, 1)
                 seq.token_ids.append(row[i])
             self._check_tokens(seqs, [row[i] for i in live], None, [seq.num_tokens for seq in seqs])
-        return self._outputs({seq.request_id: self.requests[seq.request_id] for seq in batch.seqs})
+        return {seq.request_id: self.requests[seq.request_id] for seq in batch.seqs}
 
     def _outputs(self, progressed: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
@@ -294,6 +305,22 @@ class LLMEngine:
             if finished:
                 del self.requests[r.request_id]
         return outputs
+
+    def _deltas(self, progressed: dict[str, Request]) -> list[CompletionDelta]:
+        rows = []
+        for r in progressed.values():
+            assert r.delta, f"step_deltas() streams requests added with delta=True; {r.request_id} was not"
+            cached = r.seqs[0].num_cached_tokens if len(r.seqs) == 1 else min(s.num_cached_tokens for s in r.seqs)
+            for seq in r.seqs:
+                text, first = self._visible_output(seq, delta=True)
+                rows.append(CompletionDelta(
+                    r.request_id, seq.index, text, seq.token_ids[seq.num_prompt_tokens + first:seq.num_known_tokens],
+                    seq.logprobs[first:] if seq.logprobs is not None else None,
+                    seq.cumulative_logprob if seq.logprobs is not None else None,
+                    seq.finish_reason, seq.stop_reason, cached))
+            if r.finished:
+                del self.requests[r.request_id]
+        return rows
 
     def _check_tokens(self, seqs: list[Sequence], tokens: list[int], lps: list | None, lengths: list[int]) -> None:
         """Each sequence's token just became known, at position lengths[i] - 1: logprobs, text (the step's
@@ -356,19 +383,26 @@ class LLMEngine:
     def _decode_one(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
 
+    @staticmethod
+    def _visible_output(seq: Sequence, delta: bool) -> tuple[str, int]:
+        """The completion's text to report and the first of its output tokens to report: all so far,
+        or with delta only what is new since the last report (which this marks as sent)."""
+        text = seq.text
+        if seq.params.stop and not seq.is_finished:
+            # Hold back what might be the start of a stop string, so cumulative text never shrinks.
+            hold = max(len(s) for s in seq.params.stop) - 1
+            text = text[:max(0, len(text) - hold)]
+        if not delta:
+            return text, 0
+        assert len(text) >= seq.num_sent_chars, "the visible text shrank"
+        text, seq.num_sent_chars = text[seq.num_sent_chars:], len(text)
+        first, seq.num_sent_tokens = seq.num_sent_tokens, seq.num_known_tokens - seq.num_prompt_tokens
+        return text, first
+
     def _make_output(self, request: Request, finished: bool) -> RequestOutput:
         completions, seqs = [], request.seqs
         for seq in seqs:
-            text = seq.text
-            if seq.params.stop and not seq.is_finished:
-                # Hold back what might be the start of a stop string, so cumulative text never shrinks.
-                hold = max(len(s) for s in seq.params.stop) - 1
-                text = text[:max(0, len(text) - hold)]
-            first = 0  # of the output tokens
-            if request.delta:  # only what is new since the last output
-                assert len(text) >= seq.num_sent_chars, "the visible text shrank"
-                text, seq.num_sent_chars = text[seq.num_sent_chars:], len(text)
-                first, seq.num_sent_tokens = seq.num_sent_tokens, seq.num_known_tokens - seq.num_prompt_tokens
+            text, first = self._visible_output(seq, request.delta)
             completions.append(CompletionOutput(
                 index=seq.index, text=text,
                 token_ids=seq.token_ids[seq.num_prompt_tokens + first:seq.num_known_tokens],  # a fresh slice

@@ -7,7 +7,9 @@ Each step fills a budget of `max_num_batched_tokens` tokens and `max_num_seqs` s
 2. then waiting sequences in arrival order (FCFS), each with as much of its prompt as the budget
    allows, after taking whatever the prefix cache already holds. A waiting sequence that does not fit
    stops admission (FCFS: nothing behind it overtakes it).
-Prefill and decode tokens share one step.
+Prefill and decode tokens share one step. A chunk that the budget cuts short ends on a multiple of
+`chunk_align` tokens (the attention's query tile) where the budget holds one: then only a prompt's
+last tile is partial, and a full-budget step has few enough tiles to replay a CUDA graph.
 """
 from __future__ import annotations
 
@@ -46,13 +48,15 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 whole_prompts: bool = False, num_scheduler_steps: int = 1, max_model_len: int | None = None):
+                 whole_prompts: bool = False, num_scheduler_steps: int = 1, max_model_len: int | None = None,
+                 chunk_align: int = 1):
         self.block_manager = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # A look-ahead mask (bidirectional, prefix-LM) lets prompt tokens see later prompt tokens, so a
         # prompt must be computed in one step: a chunk never ends inside the prompt.
         self.whole_prompts = whole_prompts
         self.num_scheduler_steps, self.max_model_len = num_scheduler_steps, max_model_len
+        self.chunk_align = chunk_align
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
@@ -81,7 +85,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or self.at_limit(seq):
                 continue  # preempted earlier in this loop, or its pending token is its last
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self.chunk(seq.num_uncomputed_tokens, budget)
             if n < self.min_chunk(seq, seq.num_computed_tokens):
                 continue  # the rest of its prompt does not fit this step
             if self.block_manager.pages_needed(seq, n) == 0:  # most decode steps: room in its last page
@@ -131,6 +135,13 @@ class Scheduler:
         finishes once they are read back, so it needs no more steps). Never true without pending tokens."""
         return bool(seq.num_pending) and seq.reaches_length_limit(seq.num_tokens, self.max_model_len)
 
+    def chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to compute now of the `remaining` uncomputed ones: all if the budget allows, else the
+        budget cut down to whole multiples of chunk_align (the budget itself when it holds none)."""
+        if remaining <= budget:
+            return remaining
+        return budget - budget % self.chunk_align if budget >= self.chunk_align else budget
+
     def min_chunk(self, seq: Sequence, computed: int) -> int:
         """Fewest tokens a step may give `seq`: 1, or with whole prompts all of its uncomputed prompt."""
         return max(1, seq.num_prompt_tokens - computed) if self.whole_prompts else 1
@@ -142,7 +153,7 @@ class Scheduler:
                 break  # preempted while its last token was in flight: recomputed once that token is known
             hits = self.block_manager.cached_prefix(seq)
             cached = len(hits) * self.block_manager.block_size
-            n = min(seq.num_tokens - cached, budget)
+            n = self.chunk(seq.num_tokens - cached, budget)
             assert n >= 1
             if n < self.min_chunk(seq, cached) or not self.block_manager.can_allocate(seq, n, hits):
                 break

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexengine.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestGroup
-from flexengine.server.engine_process import EngineProcess, log_to_stderr
+from flexengine.server.engine_process import EngineProcess, freeze_startup_heap, log_to_stderr
 from flexengine.server.protocol import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, random_id)
 from flexengine.server import responses
@@ -305,6 +305,7 @@ def main(args: argparse.Namespace) -> int:
         engine = AsyncEngine(process, config.max_num_seqs, args.max_waiting_requests)
         model_name = args.served_model_name or args.model or "default"
         app = build_app(engine, model_name, api_key, model_root=args.model)
+        freeze_startup_heap()
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:
         process.stop()  # already done by the app's shutdown, unless uvicorn never started it

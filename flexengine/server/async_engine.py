@@ -17,10 +17,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from flexengine.outputs import CompletionOutput, RequestOutput
+from flexengine.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from flexengine.sampling_params import SamplingParams
 from flexengine.server.engine_process import (
-    Accepted, CompletionDelta, EngineFailed, EngineInput, EngineProcess, EngineSnapshot, NewRequest, StepOutputs)
+    Accepted, EngineFailed, EngineInput, EngineProcess, EngineSnapshot, NewRequest, StepOutputs)
 from flexengine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -257,10 +257,14 @@ class AsyncEngine:
         message, self._outbox = self._outbox, EngineInput()
         if self.error is not None or self.process.inputs.closed:
             return
-        try:
-            self.process.send(message)
-        except BrokenPipeError:  # the engine process is gone: _read sees EOF and fails every request
-            pass
+        # A broken pipe (the engine process is gone) is dropped there: _read sees EOF and fails every request.
+        if not self.process.send(message):
+            self.loop.add_writer(self.process.writer.fd, self._flush_pipe)
+
+    def _flush_pipe(self) -> None:
+        """Runs on the event loop when the input pipe has room for what it did not take before."""
+        if self.process.flush():
+            self.loop.remove_writer(self.process.writer.fd)
 
     def _forget(self, request_id: str, finish_reason: str | None) -> None:
         del self.groups[request_id]
@@ -332,4 +336,5 @@ class AsyncEngine:
     def _stop_reading(self) -> None:
         if self._reading:
             self.loop.remove_reader(self.process.reader.fd)
+            self.loop.remove_writer(self.process.writer.fd)  # before stop() closes it
             self._reading = False

@@ -7,37 +7,39 @@ RequestOutputs would repeat the prompt and every token so far: about 7 us to unp
 step on the API side, against about 1.3 for a delta (measured at 256 prompt tokens).
 
     process = EngineProcess.start(config)   # returns once the engine is built
-    process.send(EngineInput(new=[NewRequest(...)], aborts=[]))
+    process.send(EngineInput(new=[NewRequest(...)], aborts=[]))   # False: the rest waits for flush()
     process.reader.read_available()         # StepOutputs, one per step; process.reader.eof once it is gone
     process.stop()                          # closing its input pipe is what tells the child to exit
 
-A thread in the child reads the input pipe all the time, so an abort that arrives mid-step is applied
-before the next step, and the child never stops reading while it waits to send (were both pipes full,
-each side would wait on the other). Another thread pickles and writes the step messages
-(pipe.MessageWriter), so the next step starts without waiting for them. The child also exits when the
-API process dies: its input pipe then reads EOF.
+The child's loop does its own pipe work, without blocking, between steps: it reads every input that
+arrived (so an abort that arrives mid-step is applied before the next step) and writes what the
+output pipe takes, keeping the rest for later. Neither side ever blocks on a write, so two full pipes
+cannot wait on each other. Helper threads did this before; while the loop was busy on the host they
+got the GIL only at the interpreter's 5 ms switch interval, and requests reached the engine at about
+one per 4 ms. The child also exits when the API process dies: its input pipe then reads EOF.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
-import queue
+import select
 import signal
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from flexengine.config import EngineConfig, env_stats_interval_s
-from flexengine.outputs import RequestOutput
+from flexengine.outputs import CompletionDelta
 from flexengine.sampling_params import SamplingParams
 from flexengine.server.pipe import MessageReader, MessageWriter
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0   # a step in flight finishes before the child exits; past this it is killed
+MAX_UNSENT_BYTES = 4 << 20  # the API process this far behind: the engine waits for it before stepping on
 READY_LOG_EVERY_S = 30.0
 STATS_INTERVAL_S = env_stats_interval_s()
 
@@ -66,19 +68,6 @@ class EngineSnapshot:
     num_unfinished: int = 0
 
 
-class CompletionDelta(NamedTuple):
-    """What one completion gained in one step. A tuple: it pickles in a third of a dataclass's time."""
-    request_id: str
-    index: int
-    text: str                    # appended to the text (the visible text never shrinks)
-    token_ids: list[int]         # new token ids
-    logprobs: list | None        # one dict per new token, when asked for
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-
-
 @dataclass
 class Accepted:
     """The engine took a request: what it made of the prompt."""
@@ -95,6 +84,15 @@ class StepOutputs:
     deltas: list[CompletionDelta]
     snapshot: EngineSnapshot
 
+    # The rows travel as columns of plain values: pickling 256 named tuples took 205 us of the engine
+    # loop's time per step, their columns 40 (CPU VM).
+    def __getstate__(self):
+        return self.accepted, self.refused, list(zip(*self.deltas)), self.snapshot
+
+    def __setstate__(self, state):
+        self.accepted, self.refused, columns, self.snapshot = state
+        self.deltas = list(map(CompletionDelta._make, zip(*columns)))
+
 
 @dataclass
 class EngineReady:
@@ -103,6 +101,7 @@ class EngineReady:
     max_model_len: int
     snapshot: EngineSnapshot
     build_s: float
+    frozen_objects: int  # what start-up left to the permanent GC generation (freeze_startup_heap)
 
 
 @dataclass
@@ -119,34 +118,46 @@ def run_engine(config: EngineConfig, inputs, outputs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log_to_stderr()
     from flexengine.engine.llm_engine import LLMEngine  # here: the API process never loads the model code
-    writer = MessageWriter(outputs.fileno())  # whole messages, which the API process reads without blocking
-    send = writer.send
+    writer = MessageWriter(outputs.fileno())
     try:
         started = time.perf_counter()
         logger.info("engine process %d: building the engine (model %s)", os.getpid(), config.model or "default")
+        use_one_host_thread(config.device)
         engine = LLMEngine(config)
-        send(EngineReady(os.getpid(), engine.tokenizer, engine.max_model_len, snapshot_of(engine),
-                         time.perf_counter() - started))
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=read_inputs, args=(inputs, inbox), name="flexengine-engine-inputs",
-                         daemon=True).start()
-        EngineLoop(engine, inbox, send).run()
+        freeze_startup_heap()
+        writer.send(EngineReady(os.getpid(), engine.tokenizer, engine.max_model_len, snapshot_of(engine),
+                                time.perf_counter() - started, gc.get_freeze_count()))
+        EngineLoop(engine, MessageReader(inputs.fileno()), writer).run()
     except BaseException:
-        send(EngineFailed(traceback.format_exc()))  # then die loudly as well
+        writer.send(EngineFailed(traceback.format_exc()))  # then die loudly as well
         raise
     finally:
-        writer.close()
+        writer.drain(STOP_TIMEOUT_S)
 
 
-def read_inputs(inputs, inbox: queue.SimpleQueue) -> None:
-    """Child thread: move every EngineInput into the inbox; None once the API process closed the pipe."""
-    while True:
-        try:
-            message = inputs.recv()
-        except EOFError:  # the API process stopped us, or died
-            inbox.put(None)
-            return
-        inbox.put(message)
+def use_one_host_thread(device: str) -> None:
+    """On a GPU, this process's tensor ops on the host are small copies. PyTorch would run each larger
+    one on a team of threads, one per core, and a team waits for its slowest member: with the API
+    process and the clients busy on the same cores, 2,048-token steps took 45 ms of host time instead
+    of about 10 (H100 box, session 6). vLLM sets OMP_NUM_THREADS=1 for the same reason
+    (vllm/__init__.py); as there, an OMP_NUM_THREADS the user set wins. On CPU the model needs them.
+    Before anything compiles: dynamo guards on the thread count, and changing it later recompiled
+    every graph (and ran the GPU out of memory)."""
+    from flexengine.engine.model_runner import resolve_device  # here: the API process does not load torch
+    import torch
+    if resolve_device(device).type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
+def freeze_startup_heap() -> None:
+    """Leave what start-up built out of every later garbage collection. A full collection walks every
+    tracked object: 124 ms for an engine of the embedded model on the CPU VM, and every step or
+    stream waits for it. Serving makes few objects that live long, so after the freeze a full
+    collection walks only those. Garbage first, which a freeze would keep forever. vLLM does the same
+    after start-up (`freeze_gc_heap`, vllm/utils/gc_utils.py). Only in the server's own processes:
+    objects frozen in a user's process (an offline LLM) would never be collected after a `del`."""
+    gc.collect()
+    gc.freeze()
 
 
 def snapshot_of(engine) -> EngineSnapshot:
@@ -158,11 +169,12 @@ class LoopStats:
     device (reading a step's tokens back), waiting to send (the API process is behind), waiting for
     requests, and the rest, host work (scheduling, inputs, outputs, detokenizing)."""
 
-    def __init__(self, device_wait_s: float):
+    def __init__(self, device_wait_s: float, compiles: int):
         self.start = time.perf_counter()
-        self.steps = self.tokens = 0
+        self.steps = self.tokens = self.arrived = 0
         self.idle_s = self.send_s = 0.0
         self.device_s_at_start = device_wait_s  # the engine's running total when this interval began
+        self.compiles_at_start = compiles       # graphs dynamo had compiled then (start-up compiles them all)
 
     def maybe_log(self, engine) -> "LoopStats":
         """Log the interval once it is long enough; → the stats to count into next."""
@@ -172,17 +184,27 @@ class LoopStats:
         busy = elapsed - self.idle_s
         if self.steps and busy > 0:
             device = engine.device_wait_s - self.device_s_at_start
-            logger.info("engine: %.1f steps/s, %.0f tokens/s out, %d requests; of the busy time: waiting for the "
-                        "device %.0f%%, waiting to send %.0f%%, host work %.0f%%", self.steps / elapsed,
-                        self.tokens / elapsed, engine.get_num_unfinished_requests(), 100 * device / busy,
+            logger.info("engine: %.1f steps/s, %.0f tokens/s out, %d requests (%d arrived); of the busy time: "
+                        "waiting for the device %.0f%%, waiting to send %.0f%%, host work %.0f%%", self.steps / elapsed,
+                        self.tokens / elapsed, engine.get_num_unfinished_requests(), self.arrived, 100 * device / busy,
                         100 * self.send_s / busy, 100 * (busy - device - self.send_s) / busy)
-        return LoopStats(engine.device_wait_s)
+        compiles = compile_count()
+        if compiles > self.compiles_at_start:
+            logger.warning("engine: %d graphs compiled while serving, in the last %.0f s: a shape or a global setting "
+                           "that start-up did not see (each costs seconds and memory)",
+                           compiles - self.compiles_at_start, elapsed)
+        return LoopStats(engine.device_wait_s, compiles)
+
+
+def compile_count() -> int:
+    from flexengine.compile import compile_count  # here: the API process does not load torch
+    return compile_count()
 
 
 class EngineLoop:
-    def __init__(self, engine, inbox: queue.SimpleQueue, send):
-        self.engine, self.inbox, self.send = engine, inbox, send
-        self.stats = LoopStats(engine.device_wait_s)
+    def __init__(self, engine, reader: MessageReader, writer: MessageWriter):
+        self.engine, self.reader, self.writer = engine, reader, writer
+        self.stats = LoopStats(engine.device_wait_s, compile_count())
 
     def run(self) -> None:
         while True:
@@ -190,26 +212,36 @@ class EngineLoop:
             if inputs is None:
                 return
             accepted, refused = self.apply(inputs)
-            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-            deltas = [d for output in outputs for d in self.deltas(output)]
-            started = time.perf_counter()
+            self.stats.arrived += len(accepted) + len(refused)
+            deltas = self.engine.step_deltas() if self.engine.has_unfinished_requests() else []
             self.send(StepOutputs(accepted, refused, deltas, snapshot_of(self.engine)))
-            self.stats.send_s += time.perf_counter() - started
-            self.stats.steps += bool(outputs)
+            self.stats.steps += bool(deltas)
             self.stats.tokens += sum(len(d.token_ids) for d in deltas)
             self.stats = self.stats.maybe_log(self.engine)
 
     def take_inputs(self) -> list[EngineInput] | None:
-        """Everything that arrived since the last step, waiting for it when there is nothing to step;
-        None when the API process closed the pipe."""
-        got = []
-        if not self.engine.has_unfinished_requests():
+        """Everything that arrived since the last step, waiting for it when there is nothing to step
+        (and writing what is left to send meanwhile); None when the API process closed the pipe."""
+        got = self.reader.read_available()
+        if not got and not self.reader.eof and not self.engine.has_unfinished_requests():
             started = time.perf_counter()
-            got.append(self.inbox.get())
+            while not got and not self.reader.eof:
+                unsent = [self.writer.fd] if self.writer.buffer else []
+                select.select([self.reader.fd], unsent, [])
+                self.writer.flush()
+                got = self.reader.read_available()
             self.stats.idle_s += time.perf_counter() - started
-        while not self.inbox.empty():  # this loop is the only reader
-            got.append(self.inbox.get())
-        return None if any(message is None for message in got) else got
+        self.writer.flush()
+        return None if self.reader.eof else got
+
+    def send(self, message: StepOutputs) -> None:
+        """Write the step's message, or as much as the pipe takes; wait only when the API process is far behind."""
+        started = time.perf_counter()
+        self.writer.send(message)
+        while len(self.writer.buffer) > MAX_UNSENT_BYTES:
+            self.writer.wait_writable(None)
+            self.writer.flush()
+        self.stats.send_s += time.perf_counter() - started
 
     def apply(self, inputs: list[EngineInput]) -> tuple[list[Accepted], list[tuple[str, str]]]:
         accepted, refused = [], []
@@ -226,17 +258,13 @@ class EngineLoop:
                 self.engine.abort_request(request_id)
         return accepted, refused
 
-    def deltas(self, output: RequestOutput) -> list[CompletionDelta]:
-        """The rows of a delta-mode output (added with delta=True: only what is new since the last)."""
-        return [CompletionDelta(output.request_id, c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob,
-                                c.finish_reason, c.stop_reason, output.num_cached_tokens) for c in output.outputs]
-
 
 # ---- the API process's handle --------------------------------------------------------------------
 
 class EngineProcess:
     def __init__(self, process, inputs, outputs, reader: MessageReader, ready: EngineReady):
         self.process, self.inputs, self.ready = process, inputs, ready
+        self.writer = MessageWriter(inputs.fileno())  # inputs owns the fd; only the writer writes it
         self.outputs = outputs  # owns the fd that reader reads; only the reader reads it
         self.reader = reader
 
@@ -269,8 +297,9 @@ class EngineProcess:
             process.join()
             raise RuntimeError(f"the engine process failed while building the engine:\n{ready.traceback}")
         assert isinstance(ready, EngineReady), f"unexpected first message {type(ready).__name__}"
-        logger.info("engine ready in %.1f s (engine process %d: %d KV blocks, max_model_len %d)",
-                    ready.build_s, ready.pid, ready.snapshot.num_total_blocks, ready.max_model_len)
+        logger.info("engine ready in %.1f s (engine process %d: %d KV blocks, max_model_len %d, %d start-up objects "
+                    "left out of garbage collection)", ready.build_s, ready.pid, ready.snapshot.num_total_blocks,
+                    ready.max_model_len, ready.frozen_objects)
         return cls(process, inputs, outputs, reader, ready)
 
     @property
@@ -285,8 +314,13 @@ class EngineProcess:
         self.process.join(5)
         return self.process.exitcode
 
-    def send(self, message: EngineInput) -> None:
-        self.inputs.send(message)
+    def send(self, message: EngineInput) -> bool:
+        """Send without blocking; False when part of it waits for the pipe to drain (call flush() then)."""
+        self.writer.send(message)
+        return not self.writer.buffer
+
+    def flush(self) -> bool:
+        return self.writer.flush()
 
     def stop(self) -> None:
         """Close the input pipe and wait for the child to finish its step and exit; idempotent."""

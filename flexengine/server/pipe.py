@@ -1,65 +1,76 @@
-"""Length-prefixed pickled messages over a pipe, read without ever blocking.
+"""Length-prefixed pickled messages over a pipe, written and read without ever blocking.
 
 The engine process's outputs are read on the API process's event loop. uvloop (libuv) puts a watched
 fd in non-blocking mode, and multiprocessing's Connection.recv on a non-blocking fd raises
 BlockingIOError halfway through a message that has not fully arrived, having consumed its first part:
 every later message is then misread. That happened on the H100, where one step's message (256 rows)
 is written in two parts. So the reading side takes whatever bytes are there and hands out only whole
-messages; the writing side (the engine process, blocking fd) writes each message in full.
+messages, and the writing side keeps what a full pipe does not take yet and writes it later.
 
-    send_message(fd, obj)             # writer: blocks until all of it is in the pipe
-    writer = MessageWriter(fd)        # or: pickled and written by a thread; writer.close() flushes
-    reader = MessageReader(fd)        # reader: makes fd non-blocking
+Both sides call these from the thread that owns the loop (the event loop; the engine loop): no helper
+thread has to win the GIL from an engine loop that is busy on the host, which made each message wait
+for the interpreter's 5 ms switch interval.
+
+    writer = MessageWriter(fd)        # makes fd non-blocking
+    writer.send(obj)                  # what the pipe takes now is written; the rest waits in writer.buffer
+    writer.flush()                    # when fd is writable again: True once nothing waits
+    reader = MessageReader(fd)        # makes fd non-blocking
     reader.read_available()           # the whole messages readable now, in order; reader.eof once closed
 """
 from __future__ import annotations
 
 import os
 import pickle
-import queue
 import select
 import struct
-import threading
+import time
 
 _LENGTH = struct.Struct("!Q")
 _READ_SIZE = 1 << 20
 
 
-def send_message(fd: int, message) -> None:
+def encode(message) -> bytes:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_LENGTH.pack(len(data)) + data)
-    while view:
-        view = view[os.write(fd, view):]
+    return _LENGTH.pack(len(data)) + data
 
 
 class MessageWriter:
-    """send_message on a thread of its own: the engine's next step does not wait for the pickling or
-    for a full pipe (the GIL is free while the GPU runs a step). At most max_pending messages wait;
-    past that, send blocks, which is the backpressure a slow reader should exert."""
-
-    def __init__(self, fd: int, max_pending: int = 8):
+    def __init__(self, fd: int):
+        os.set_blocking(fd, False)
         self.fd = fd
-        self.pending: queue.Queue = queue.Queue(max_pending)
-        self.broken = False  # the reader is gone: later messages are dropped, never block the sender
-        self.thread = threading.Thread(target=self._write, name="flexengine-outputs", daemon=True)
-        self.thread.start()
+        self.buffer = bytearray()  # encoded messages the pipe has not taken yet
+        self.broken = False        # the reader is gone: later messages are dropped
 
     def send(self, message) -> None:
-        self.pending.put(message)
+        if not self.broken:
+            self.buffer += encode(message)
+            self.flush()
 
-    def close(self) -> None:
-        """Write everything sent so far, then stop the thread."""
-        self.pending.put(None)
-        self.thread.join()
-
-    def _write(self) -> None:
-        while (message := self.pending.get()) is not None:
-            if self.broken:
-                continue
+    def flush(self) -> bool:
+        """Write what the pipe takes now; True once nothing waits."""
+        while self.buffer:
             try:
-                send_message(self.fd, message)
+                written = os.write(self.fd, self.buffer)
+            except BlockingIOError:
+                return False
             except BrokenPipeError:
                 self.broken = True
+                self.buffer.clear()
+                break
+            del self.buffer[:written]  # cheap: a bytearray drops its head by moving its start
+        return True
+
+    def wait_writable(self, timeout: float | None) -> bool:
+        return bool(select.select([], [self.fd], [], timeout)[1])
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until everything sent is written or the reader is gone; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.flush():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0 or not self.wait_writable(remaining):
+                return False
+        return True
 
 
 class MessageReader:
