@@ -47,8 +47,12 @@ thread_ticks() { for f in /proc/$1/task/*/stat; do cat "$f" 2>/dev/null; echo; d
   i = index($0, "("); j = match($0, /\) [A-Za-z] /); name = substr($0, i + 1, j - i - 1); gsub(/ /, "_", name)
   split(substr($0, j + 2), x, " "); print $1, name, x[12] + x[13] }'; }
 TICK=$(getconf CLK_TCK)
-for rate in ${RATES:-inf 16}; do  # RATES="inf 16 inf" runs rate inf twice (the second as serve_rate_inf_2.*)
+# RATES="inf 16 inf" runs rate inf twice (the second as serve_rate_inf_2.*). Each run draws other
+# prompts (--seed): the prefix cache would otherwise hold the last run's and skip their prefill.
+seed=0
+for rate in ${RATES:-inf 16}; do
   name=$rate; [[ -f $OUT/serve_rate_$name.json ]] && name=${rate}_2
+  seed=$((seed + 1))
   api0=$(cpu_ticks $server); eng0=$(cpu_ticks $engine); t0=$(date +%s.%N); thread_ticks $engine > "$OUT/threads0"
   spies=()
   if [[ -n ${PYSPY:-} && $rate == inf ]] && command -v py-spy >/dev/null; then
@@ -60,7 +64,7 @@ for rate in ${RATES:-inf 16}; do  # RATES="inf 16 inf" runs rate inf twice (the 
     done
   fi
   $PY -m flexengine.cli bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 256 --input-len 256 \
-    --output-len 256 --request-rate "$rate" --json-out "$OUT/serve_rate_$name.json" 2>&1 | tee "$OUT/serve_rate_$name.log"
+    --output-len 256 --request-rate "$rate" --seed "$seed" --json-out "$OUT/serve_rate_$name.json" 2>&1 | tee "$OUT/serve_rate_$name.log"
   (( ${#spies[@]} )) && wait "${spies[@]}"  # not a bare wait: the server is a job of this shell too
   api1=$(cpu_ticks $server); eng1=$(cpu_ticks $engine); t1=$(date +%s.%N)
   awk -v a=$((api1 - api0)) -v e=$((eng1 - eng0)) -v hz=$TICK -v w="$t1 - $t0" -v r=$name 'BEGIN {

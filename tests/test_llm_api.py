@@ -204,3 +204,23 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(llm, seed, max_tokens, stop
                        for i, (text, tokens, lps, reason) in joined.items()}
     assert runs[True] == runs[False]
     assert_clean(llm)
+
+
+def test_generation_runs_with_the_heap_frozen_then_unfreezes_it(llm, monkeypatch):
+    """Garbage collections during generate() skip what existed before it; afterwards the heap is as it
+    was: unfrozen, or frozen by its owner."""
+    import gc
+    engine, seen = llm.llm_engine, []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: seen.append(gc.get_freeze_count()) or step())
+    assert gc.get_freeze_count() == 0
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 3, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert seen and min(seen) > 10_000 and gc.get_freeze_count() == 0
+    gc.freeze()  # the caller froze its own heap: generate leaves that alone
+    try:
+        frozen = gc.get_freeze_count()
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert gc.get_freeze_count() > frozen // 2  # still frozen (a few frozen objects died meanwhile)
+    finally:
+        gc.unfreeze()
+    assert_clean(llm)
