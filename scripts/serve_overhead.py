@@ -6,11 +6,12 @@ on the same workload in the same run, with the model step made near-free.
     python scripts/serve_overhead.py --client-only        # the bench client's own capacity
 
 The model step is replaced by a sleep of --step-ms + --step-us-per-seq x batch + --step-us-per-token x
-prompt tokens (the GIL is released
-while sleeping, as it is while a GPU step runs), in the offline engine and in the server's engine
-process alike (FAKE_STEP_ENV below), returning printable random tokens: what is left is
-the host work of scheduling, output building, detokenizing and, for the server, HTTP streaming. The
-defaults (2 ms + 25 us/seq, 8.4 ms at 256 sequences) mimic the Llama-3.2-1B decode step on an H100.
+prompt tokens (the GIL is released while sleeping, as it is while a GPU step runs), in the offline
+engine and in the server's engine process alike (FAKE_STEP_ENV below), returning printable random
+tokens: what is left is the host work of scheduling, output building, detokenizing and, for the
+server, HTTP streaming. The defaults (2 ms + 25 us/seq, 8.4 ms at 256 sequences) mimic the
+Llama-3.2-1B decode step on an H100; --step-us-per-token charges prompt tokens too. --server-log keeps the
+server's log (with FLEXENGINE_STATS_INTERVAL_S=0.1, a time line of the engine loop).
 --real-model runs the embedded tiny model (reference attention) instead. The server and the bench
 client run as separate processes, as they do on the GPU box; --client-only measures the client against
 a fake server that streams pre-built chunks on the fake step's clock (one chunk per stream per step),
@@ -40,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-ms", type=float, default=2.0, help="fake step: fixed time per step")
     p.add_argument("--step-us-per-seq", type=float, default=25.0, help="fake step: extra time per sequence")
     p.add_argument("--step-us-per-token", type=float, default=0.0,
-                   help="fake step: extra time per prompt token beyond one per sequence (4 mimics prefill on an "
-                        "H100: 8 ms per 2,048 tokens)")
+                   help="fake step: extra time per prompt token beyond one per sequence (4: 8 ms per "
+                        "2,048-token step)")
     p.add_argument("--real-model", action="store_true", help="run the tiny model instead of the fake step")
     p.add_argument("--client-only", action="store_true", help="only the bench client against a fake SSE server")
     p.add_argument("--skip-offline", action="store_true")
