@@ -433,3 +433,58 @@ def test_queued_outputs_are_coalesced():
     outputs = step_rows("r", ["a", "b", "c", "d"], "length", False)
     chunks = asyncio.run(stream_chunks(responses.CompletionWriter("cmpl-x", "m", 1, None, None), outputs, [3]))
     assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == ["abc", "d"]
+
+
+def test_requests_wait_for_a_full_engine_pipe_without_blocking_the_event_loop():
+    """The API side writes the engine's input pipe without blocking: what a full pipe does not take
+    waits, and goes once the engine process reads (the event loop watches the fd). Every request
+    arrives, whole and in order."""
+    import os
+    import threading
+    from types import SimpleNamespace
+
+    from flexengine.sampling_params import SamplingParams
+    from flexengine.server.async_engine import AsyncEngine
+    from flexengine.server.engine_process import EngineProcess, EngineSnapshot
+    from flexengine.server.pipe import MessageReader, MessageWriter
+
+    to_engine, api_end = os.pipe()
+    from_engine, engine_end = os.pipe()
+    process = SimpleNamespace(ready=SimpleNamespace(tokenizer=None, max_model_len=1 << 20, snapshot=EngineSnapshot()),
+                              writer=MessageWriter(api_end), reader=MessageReader(from_engine),
+                              inputs=SimpleNamespace(closed=False), is_alive=lambda: True)
+    process.send = lambda message: EngineProcess.send(process, message)
+    process.flush = lambda: EngineProcess.flush(process)
+    engine = AsyncEngine(process, max_num_seqs=1000, max_waiting_requests=0)
+    prompts = [{"prompt_token_ids": list(range(i, i + 5000))} for i in range(40)]  # ~1 MB: many pipe-fulls
+    engine_reads = threading.Event()
+    got = []
+
+    def engine_process():
+        reader = MessageReader(to_engine)
+        engine_reads.wait()
+        while len(got) < len(prompts):
+            reader.wait(5.0)
+            got.extend(new for message in reader.read_available() for new in message.new)
+
+    async def api():
+        engine.start()
+        for i, prompt in enumerate(prompts):  # one message per turn of the event loop
+            engine.add_requests([prompt], SamplingParams(max_tokens=1))
+            await asyncio.sleep(0)
+        assert process.writer.buffer  # the pipe is full: the rest waits, and the loop went on
+        engine_reads.set()
+        for _ in range(1000):  # the event loop flushes as the pipe drains
+            if not process.writer.buffer:
+                break
+            await asyncio.sleep(0.01)
+        engine._stop_reading()
+        assert not process.writer.buffer, "what the full pipe did not take was never written"
+
+    reader = threading.Thread(target=engine_process)
+    reader.start()
+    asyncio.run(api())
+    reader.join(10)
+    assert [new.prompt for new in got] == prompts
+    for fd in (to_engine, api_end, from_engine, engine_end):
+        os.close(fd)

@@ -138,8 +138,8 @@ def run_engine(config: EngineConfig, inputs, outputs) -> None:
 def use_one_host_thread(device: str) -> None:
     """On a GPU, this process's tensor ops on the host are small copies. PyTorch would run each larger
     one on a team of threads, one per core, and a team waits for its slowest member: with the API
-    process and the clients busy on the same cores, 2,048-token steps took 45 ms of host time instead
-    of about 10 (H100 box, session 6). vLLM sets OMP_NUM_THREADS=1 for the same reason
+    process and the clients busy on the same cores, full-budget steps took about 45 ms of host time,
+    30-36 ms with one thread (H100 box, session 6). vLLM sets OMP_NUM_THREADS=1 for the same reason
     (vllm/__init__.py); as there, an OMP_NUM_THREADS the user set wins. On CPU the model needs them.
     Before anything compiles: dynamo guards on the thread count, and changing it later recompiled
     every graph (and ran the GPU out of memory)."""
