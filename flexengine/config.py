@@ -73,8 +73,9 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     # Launch each step before reading the last one's tokens back, so that detokenizing, stop checks and
     # streaming overlap the device (vLLM's async scheduling). A sequence that stops runs one step more,
-    # whose token is dropped.
-    async_scheduling: bool = False
+    # whose token is dropped. None: on for a GPU unless num_scheduler_steps > 1, off on CPU (the
+    # default of `flexengine serve`, as vLLM serves since 0.14).
+    async_scheduling: bool | None = False
     seed: int = 0
     # Overrides of the model's mods: a registered name, a callable, or {layer index or kind ("global" /
     # "sliding"): either}; None keeps the model's. Applied (and checked) by ModelRunner.
@@ -102,6 +103,8 @@ class EngineConfig:
         if self.attention_backend is not None and str(self.attention_backend).strip().lower() not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)} or None, "
                              f"got {self.attention_backend!r}")
+        if self.async_scheduling not in (True, False, None):
+            raise ValueError(f"async_scheduling must be True, False or None (on for a GPU), got {self.async_scheduling!r}")
         if self.async_scheduling and self.num_scheduler_steps > 1:
             raise ValueError(f"async_scheduling and num_scheduler_steps={self.num_scheduler_steps} exclude each "
                              f"other: choose one way to keep the device busy")

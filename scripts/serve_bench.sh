@@ -2,7 +2,9 @@
 # Serving benchmark on a GPU box (issue 7): the llama-3.2-1b preset, 256 prompts of 256 in / 256 out,
 # request rate inf and 16/s against `flexengine serve`, and the offline engine's throughput on the
 # same workload in the same run. From the repo root after `pip install -e .`; logs in $OUT. ENGINE_ARGS
-# (e.g. "--num-scheduler-steps 8") go to both the server and the offline run.
+# go to both the server and the offline run; the default names the server's own GPU default
+# (--async-scheduling), so that the offline engine runs the same way ("--no-async-scheduling" or
+# "--num-scheduler-steps 8" for the others).
 set -u
 OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}; PORT=${PORT:-8123}; PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -30,7 +32,7 @@ PY
 fi
 [[ -f $MODEL_DIR/config.json ]] || $PY -m flexengine.cli make-model --preset llama-3.2-1b --out "$MODEL_DIR" --dtype bfloat16
 # A native crash in the engine process then prints every thread's Python stack into server.log.
-PYTHONFAULTHANDLER=1 FLEXENGINE_STATS_INTERVAL_S=${STATS_INTERVAL_S:-1} $PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --port "$PORT" --max-waiting-requests 1024 \
+PYTHONFAULTHANDLER=1 FLEXENGINE_STATS_INTERVAL_S=${STATS_INTERVAL_S:-1} $PY -m flexengine.cli serve "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS---async-scheduling} --port "$PORT" --max-waiting-requests 1024 \
   --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
@@ -83,7 +85,7 @@ fi
 kill $server; wait $server 2>/dev/null
 for run in $(seq "${OFFLINE_RUNS:-1}"); do  # OFFLINE_RUNS=2: a second engine, for the spread
   log=$OUT/offline_throughput.log; (( run > 1 )) && log=$OUT/offline_throughput_$run.log
-  $PY -m flexengine.cli bench throughput --model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --num-prompts 256 --input-len 256 \
+  $PY -m flexengine.cli bench throughput --model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS---async-scheduling} --num-prompts 256 --input-len 256 \
     --output-len 256 --temperature 0 2>&1 | tee "$log"
 done
 echo "=== serving vs offline"

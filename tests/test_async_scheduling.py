@@ -36,6 +36,18 @@ def test_chunks_sliding_window_and_preemption():
 def test_excludes_multi_step():
     with pytest.raises(ValueError, match="async_scheduling and num_scheduler_steps=4"):
         EngineConfig(async_scheduling=True, num_scheduler_steps=4)
+    EngineConfig(async_scheduling=None, num_scheduler_steps=4)  # automatic: it steps aside
+    with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
+        EngineConfig(async_scheduling="yes")
+
+
+def test_automatic_setting_turns_it_on_for_a_gpu_only():
+    """None (the server's default) turns async scheduling on for a CUDA device without multi-step."""
+    from flexengine.engine.llm_engine import resolve_async_scheduling
+    assert resolve_async_scheduling(None, "cuda", 1) and not resolve_async_scheduling(None, "cuda", 4)
+    assert not resolve_async_scheduling(None, "cpu", 1)
+    assert resolve_async_scheduling(True, "cpu", 1) and not resolve_async_scheduling(False, "cuda", 1)
+    assert not LLMEngine(EngineConfig(num_kv_blocks=16, async_scheduling=None)).async_scheduling  # on CPU
 
 
 def test_a_stopped_sequence_drops_the_token_of_the_step_in_flight():

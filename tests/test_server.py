@@ -488,3 +488,16 @@ def test_requests_wait_for_a_full_engine_pipe_without_blocking_the_event_loop():
     assert [new.prompt for new in got] == prompts
     for fd in (to_engine, api_end, from_engine, engine_end):
         os.close(fd)
+
+
+def test_serve_turns_async_scheduling_on_for_a_gpu_by_default():
+    """`flexengine serve` leaves async scheduling to the engine (on for a GPU) unless told otherwise."""
+    import argparse
+
+    from flexengine.server.api_server import add_arguments, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert engine_config_from_args(parser.parse_args([])).async_scheduling is None
+    assert engine_config_from_args(parser.parse_args(["--async-scheduling"])).async_scheduling is True
+    assert engine_config_from_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
+    assert engine_config_from_args(parser.parse_args(["--num-scheduler-steps", "8"])).num_scheduler_steps == 8

@@ -26,8 +26,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, help="flex | flash | reference | auto")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps per schedule, fed on the device (CUDA graphs only; None: 1)")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="launch each step before reading the last one's tokens back")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="launch each step before reading the last one's tokens back (default off, as in LLM; "
+                        "`flexengine serve` turns it on for a GPU)")
     p.add_argument("--seed", type=int, default=0, help="engine seed and prompt seed")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
 

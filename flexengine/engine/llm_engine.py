@@ -51,6 +51,14 @@ def prefix_cache_unsafe_reason(mods, masks_only: bool = False) -> str | None:
     return None
 
 
+def resolve_async_scheduling(setting: bool | None, device_type: str, num_scheduler_steps: int) -> bool:
+    """EngineConfig.async_scheduling: None turns it on where it pays, on a GPU, unless multi-step
+    decode keeps the device busy instead (the two exclude each other)."""
+    if setting is not None:
+        return setting
+    return device_type == "cuda" and num_scheduler_steps == 1
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -68,7 +76,7 @@ class LLMEngine:
                                    whole_prompts=self.look_ahead is not None, num_scheduler_steps=steps,
                                    max_model_len=self.max_model_len, chunk_align=Q_TILE)
         self.requests: dict[str, Request] = {}
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.runner.device.type, steps)
         self.in_flight: InFlightStep | None = None  # async scheduling: launched, not yet read back
         self.device_wait_s = 0.0  # time spent waiting for steps' tokens (the engine loop's stats)
         self.eos_token_ids = self._eos_token_ids()

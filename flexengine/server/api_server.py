@@ -282,14 +282,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seed", type=int, default=None, help="engine seed for sampling (default 0)")
     engine.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="decode steps per schedule, fed on the device (CUDA graphs only; default 1)")
-    engine.add_argument("--async-scheduling", action="store_true", default=None,
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each step before reading the last one's tokens back, so that output "
-                             "processing overlaps the GPU (excludes --num-scheduler-steps > 1)")
+                             "processing overlaps the GPU (default: on for a GPU, as vLLM serves since 0.14; "
+                             "off on CPU and with --num-scheduler-steps > 1, which it excludes)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
     from flexengine.config import EngineConfig
-    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None})
+    given = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    return EngineConfig(**{"async_scheduling": None, **given})  # the server's default: on for a GPU
 
 
 def main(args: argparse.Namespace) -> int:
