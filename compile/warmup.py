@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .policy import decode_buckets, tile_bucket
+from .policy import bucket, decode_buckets, tile_bucket
 
 
 def max_prefill_tiles(max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -63,7 +63,6 @@ def capture_mixed_graphs(runner) -> int:
     many graphs were captured."""
     from ..attention.metadata import Q_TILE
     from ..engine.scheduler import ScheduledBatch
-    from .policy import bucket
     graphs, cfg = runner.mixed_graphs, runner.config
     buckets = decode_buckets(cfg.max_num_seqs)
     top = min(graphs.max_tiles, max_prefill_tiles(cfg.max_num_batched_tokens, cfg.max_num_seqs))

@@ -119,11 +119,11 @@ class IncrementalDetokenizer:
         pieces = self.pieces
         return b"".join(pieces[i] if i < len(pieces) else b"" for i in ids)
 
-    def _clean_start(self, start: int, end: int, text: str | None = None) -> int:
+    def _clean_start(self, start: int, end: int) -> int:
         """`start`, moved back until ids[start:end] does not begin inside a character. Keeps the text
         of ids[start:end] (ids only grow, so a range keeps its text), the next window's prefix, so `add`
-        decodes it once, not twice. `text`: that of ids[start:end], when already decoded."""
-        text = self._decode(self.ids[start:end]) if text is None else text
+        decodes it once, not twice."""
+        text = self._decode(self.ids[start:end])
         while start > 0 and text.startswith("\ufffd"):
             start -= 1
             text = self._decode(self.ids[start:end])
@@ -185,19 +185,15 @@ def add_tokens(detoks: list[IncrementalDetokenizer], token_ids: list[int]) -> li
             d.read_offset = len(d.ids)
             deltas[i] = d.utf8.decode(d.pieces[t] if t < len(d.pieces) else b"")
             d.text += deltas[i]
-    moved = []
     for i in windowed:
         d = detoks[i]
         full = d._decode(d.ids[d.prefix_offset:])
         prefix = d._prefix_text()
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):  # else held back
-            deltas[i] = full[len(prefix):]
-            moved.append(i)
-    starts = [detoks[i]._decode(detoks[i].ids[detoks[i].read_offset:]) for i in moved]
-    for i, text in zip(moved, starts):
-        d = detoks[i]
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            continue  # held back
+        deltas[i] = full[len(prefix):]
         end = len(d.ids)
-        d.prefix_offset, d.read_offset = d._clean_start(d.read_offset, end, text), end
+        d.prefix_offset, d.read_offset = d._clean_start(d.read_offset, end), end
         d.text += deltas[i]
     return deltas
 

@@ -318,14 +318,11 @@ class LLMEngine:
         rows = []
         for r in progressed.values():
             assert r.delta, f"step_deltas() streams requests added with delta=True; {r.request_id} was not"
-            cached = r.seqs[0].num_cached_tokens if len(r.seqs) == 1 else min(s.num_cached_tokens for s in r.seqs)
+            cached = r.num_cached_tokens
             for seq in r.seqs:
-                text, first = self._visible_output(seq, delta=True)
-                rows.append(CompletionDelta(
-                    r.request_id, seq.index, text, seq.token_ids[seq.num_prompt_tokens + first:seq.num_known_tokens],
-                    seq.logprobs[first:] if seq.logprobs is not None else None,
-                    seq.cumulative_logprob if seq.logprobs is not None else None,
-                    seq.finish_reason, seq.stop_reason, cached))
+                text, token_ids, logprobs, cumulative = self._new_output(seq, delta=True)
+                rows.append(CompletionDelta(r.request_id, seq.index, text, token_ids, logprobs, cumulative,
+                                            seq.finish_reason, seq.stop_reason, cached))
             if r.finished:
                 del self.requests[r.request_id]
         return rows
@@ -392,34 +389,32 @@ class LLMEngine:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
 
     @staticmethod
-    def _visible_output(seq: Sequence, delta: bool) -> tuple[str, int]:
-        """The completion's text to report and the first of its output tokens to report: all so far,
-        or with delta only what is new since the last report (which this marks as sent)."""
+    def _new_output(seq: Sequence, delta: bool) -> tuple[str, list[int], list | None, float | None]:
+        """The completion's (text, token ids, logprobs, cumulative logprob) to report: all so far, or
+        with delta only what is new since the last report (which this marks as sent)."""
         text = seq.text
         if seq.params.stop and not seq.is_finished:
             # Hold back what might be the start of a stop string, so cumulative text never shrinks.
             hold = max(len(s) for s in seq.params.stop) - 1
             text = text[:max(0, len(text) - hold)]
-        if not delta:
-            return text, 0
-        assert len(text) >= seq.num_sent_chars, "the visible text shrank"
-        text, seq.num_sent_chars = text[seq.num_sent_chars:], len(text)
-        first, seq.num_sent_tokens = seq.num_sent_tokens, seq.num_known_tokens - seq.num_prompt_tokens
-        return text, first
+        first = 0  # of the output tokens
+        if delta:
+            assert len(text) >= seq.num_sent_chars, "the visible text shrank"
+            text, seq.num_sent_chars = text[seq.num_sent_chars:], len(text)
+            first, seq.num_sent_tokens = seq.num_sent_tokens, seq.num_known_tokens - seq.num_prompt_tokens
+        token_ids = seq.token_ids[seq.num_prompt_tokens + first:seq.num_known_tokens]  # a fresh slice
+        if seq.logprobs is None:
+            return text, token_ids, None, None
+        return text, token_ids, seq.logprobs[first:], seq.cumulative_logprob
 
     def _make_output(self, request: Request, finished: bool) -> RequestOutput:
-        completions, seqs = [], request.seqs
-        for seq in seqs:
-            text, first = self._visible_output(seq, request.delta)
+        completions = []
+        for seq in request.seqs:
+            text, token_ids, logprobs, cumulative = self._new_output(seq, request.delta)
             completions.append(CompletionOutput(
-                index=seq.index, text=text,
-                token_ids=seq.token_ids[seq.num_prompt_tokens + first:seq.num_known_tokens],  # a fresh slice
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=seq.logprobs[first:] if seq.logprobs is not None else None,
+                index=seq.index, text=text, token_ids=token_ids, cumulative_logprob=cumulative, logprobs=logprobs,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         prompt_ids = request.prompt_token_ids if request.delta else list(request.prompt_token_ids)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=prompt_ids, outputs=completions,
-                             finished=finished,
-                             num_cached_tokens=seqs[0].num_cached_tokens if len(seqs) == 1 else
-                             min(s.num_cached_tokens for s in seqs))
+                             finished=finished, num_cached_tokens=request.num_cached_tokens)

@@ -100,6 +100,13 @@ class Request:
     delta: bool = False                    # each report carries only what is new since the last
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held for every completion."""
+        if len(self.seqs) == 1:  # read for every streamed request at every step: skip the generator
+            return self.seqs[0].num_cached_tokens
+        return min(s.num_cached_tokens for s in self.seqs)
+
+    @property
     def finished(self) -> bool:
         if len(self.seqs) == 1:  # checked for every request at every step: skip the generator
             return self.seqs[0].status is SequenceStatus.FINISHED
