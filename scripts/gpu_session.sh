@@ -20,6 +20,8 @@ export OUT MODEL_DIR PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 START=$(date +%s); STATUS=()
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+# attn-gym (a dev extra; pure Python) for its mods' GPU tests: carried as .whl/attn_gym-*.whl (scripts/serve_wheels.sh)
+ls .whl/attn_gym-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/attn_gym-*.whl >>"$OUT/install.log" 2>&1
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"
 
 # step NAME CAP CMD...: CMD under min(CAP, budget left), output tee'd into $OUT/NAME.log

@@ -11,6 +11,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform any -d .whl \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 pydantic-core==2.46.4 \
   annotated-types==0.7.0 typing-inspection==0.4.2 annotated-doc==0.0.7 opentelemetry-api==1.45.2 \
-  typing-extensions==4.15.0 uvloop==0.23.0 httptools==0.9.0  # uvicorn picks uvloop/httptools up by itself (+16% on CPU)
+  typing-extensions==4.15.0 uvloop==0.23.0 httptools==0.9.0 \
+  attn-gym==0.0.17  # uvicorn picks uvloop/httptools up by itself (+16% on CPU); attn-gym for the GPU tests of its mods
 ls -1 .whl/*.whl
 du -ch .whl/*.whl | tail -1

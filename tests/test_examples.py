@@ -19,6 +19,7 @@ CLAIMS = {
     "custom_mask_mod.py": [r"flex == dense reference: same greedy tokens", r"differs from plain causal attention: True"],
     "prefix_lm_requests.py": [r"prefix_len  0 of \d+ prompt tokens", r"prefix_len \d+ of \d+ prompt tokens.*\n.*"
                               r"prefix_len \d+ of \d+", r"batched == each request alone"],
+    "attention_gym_mods.py": [r"gym mods: flex == dense reference", r"per-request prefix_len == gym's mask per request"],
     "compare_backends.py": [r"flex .* s  first completion", r"reference .* s  first completion",
                             r"flash +(unavailable: .*cannot serve|.* s  first completion)",
                             r"flex +matches reference on 3/3 prompts"],

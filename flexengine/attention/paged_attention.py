@@ -1,9 +1,11 @@
 """The functional API: attention for a packed batch of new tokens over a paged KV cache."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from ..masks import get_mask_mod, get_score_mod, mod_name
+from ..masks import check_mask_mod, check_score_mod, get_mask_mod, get_score_mod, mod_name
 from .backends import get_backend
 from .metadata import build_metadata, choose_decode_splits, plan_layout
 
@@ -56,6 +58,27 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_l
     return ql, sl
 
 
+# mod → {(device, heads, requests): the longest sequence it was checked on}; weak, as mods are often made per call
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_mods(mask_fn, score_fn, params: dict, num_heads: int, seq_lens: list[int], device) -> None:
+    """Check each mod on the coordinates this call will give it; again only when a call reaches further."""
+    num_reqs, max_len = len(seq_lens), max(seq_lens)
+    for fn, check in ((mask_fn, check_mask_mod), (score_fn, check_score_mod)):
+        if fn is None:
+            continue
+        try:
+            seen = _CHECKED.setdefault(fn, {})
+        except TypeError:  # not weakly referable (a builtin): checked every call
+            seen = {}
+        key = (device, num_heads, num_reqs)
+        if seen.get(key, 0) < max_len:
+            check(fn, params, device, num_heads=num_heads, max_len=max_len, limit="the longest seq_len",
+                  seq_lens=seq_lens)
+            seen[key] = max_len
+
+
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_lens, *,
                     mask_mod="causal", score_mod=None, scale=None, backend=None, attention_params=None):
     """Attention of the packed new tokens `query` [T, Hq, D] over the paged cache → [T, Hq, D].
@@ -74,6 +97,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     splits = choose_decode_splits(sum(n == 1 for n in ql), Hkv, query.device)
     layout = plan_layout(ql, sl, decode_splits=splits)
     params = {k: torch.as_tensor(v, device=query.device) for k, v in (attention_params or {}).items()}
+    check_mods(mask_fn, score_fn, params, Hq, sl, query.device)
     meta = build_metadata(block_tables.to(torch.int32), seq_lens.to(torch.int32),
                           torch.empty(0, dtype=torch.long, device=query.device), layout, P, NB, params)
     meta.backend = impl

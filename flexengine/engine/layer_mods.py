@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-
 from ..masks import (MASK_ARGS, SCORE_ARGS, RequestParam, check_mask_mod, check_score_mod, get_mask_mod, get_score_mod,
-                     merge_request_params, mod_name, request_params)
+                     merge_request_params, mod_name)
 
 
 def mod_params(mods) -> dict[str, RequestParam]:
@@ -41,12 +39,10 @@ def override_targets(layers, spec, what: str) -> dict[int, object]:
     return {**targets, **by_index}
 
 
-def example_params(fn, base_args) -> dict:
-    return {name: torch.ones(1, dtype=dtype) for name, dtype in request_params(fn, base_args).items()}
-
-
-def apply_mod_overrides(layers, mask_spec, score_spec) -> None:
-    """Set the overridden layers' mods, each checked once here so a broken mod fails at LLM(...).
+def apply_mod_overrides(layers, mask_spec, score_spec, *, max_len: int, num_reqs: int, device="cpu") -> None:
+    """Set the overridden layers' mods, each checked once here so a broken mod fails at LLM(...), on the
+    coordinates the engine will give it: the layer's query heads, positions up to max_len - 1, and
+    per-request parameters as [num_reqs] tensors.
 
     A name or a callable resolves to ONE object for all its layers, so the metadata builder still makes
     one BlockMask per distinct mask and step.
@@ -54,14 +50,15 @@ def apply_mod_overrides(layers, mask_spec, score_spec) -> None:
     masks = override_targets(layers, mask_spec, "mask_mod")
     for i, mod in masks.items():
         layers[i].mask_mod = get_mask_mod(mod)
-    for fn in {layers[i].mask_mod for i in masks}:
-        check_mask_mod(fn, example_params(fn, MASK_ARGS))
-    for i, mod in override_targets(layers, score_spec, "score_mod").items():
-        fn = get_score_mod(mod)  # None in a mapping removes the layer's score mod
+    sizes = dict(max_len=max_len, num_reqs=num_reqs)
+    for fn, heads in {(layers[i].mask_mod, layers[i].num_heads) for i in masks}:
+        check_mask_mod(fn, None, device, num_heads=heads, **sizes)
+    scores = {i: get_score_mod(mod) for i, mod in override_targets(layers, score_spec, "score_mod").items()}
+    for i, fn in scores.items():  # None in a mapping removes the layer's score mod
         heads = getattr(fn, "num_heads", None)
         if heads is not None and heads != layers[i].num_heads:
             raise ValueError(f"score_mod {mod_name(fn)} has {heads} slopes but layer {i} has {layers[i].num_heads} "
                              f"query heads")
-        if fn is not None:
-            check_score_mod(fn, example_params(fn, SCORE_ARGS), num_heads=layers[i].num_heads)
         layers[i].score_mod = fn
+    for fn, heads in {(fn, layers[i].num_heads) for i, fn in scores.items() if fn is not None}:
+        check_score_mod(fn, None, device, num_heads=heads, **sizes)

@@ -91,7 +91,9 @@ class ModelRunner:
             self.model_path = os.fspath(config.model)
         self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
         self.layers = self.model.attention_layers()
-        apply_mod_overrides(self.layers, config.mask_mod, config.score_mod)  # before the backend is chosen
+        # Before the backend is chosen; checked on positions up to the longest max_model_len can become.
+        apply_mod_overrides(self.layers, config.mask_mod, config.score_mod, max_len=self.wanted_max_model_len(),
+                            num_reqs=config.max_num_seqs, device=self.device)
         first = self.layers[0]
         assert all((a.num_kv_heads, a.head_dim) == (first.num_kv_heads, first.head_dim) for a in self.layers), \
             "one KV cache shape for every layer"
@@ -151,6 +153,11 @@ class ModelRunner:
     def model_max_len(self) -> int | None:
         return getattr(text_config(self.hf_config), "max_position_embeddings", None)
 
+    def wanted_max_model_len(self) -> int:
+        """The asked-for length, else the model's, capped: max_model_len unless the cache holds less."""
+        model_max = self.model_max_len()
+        return self.config.max_model_len or min(model_max or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
+
     def choose_max_model_len(self) -> int:
         """The asked-for length (checked against the model and the cache), else the model's, capped."""
         model_max, capacity = self.model_max_len(), self.num_blocks * self.block_size
@@ -166,7 +173,7 @@ class ModelRunner:
                                  f"or gpu_memory_utilization, or lower max_model_len)")
             return asked
         # Unasked, serve what both the model and the cache can hold.
-        return min(model_max or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP, capacity)
+        return min(self.wanted_max_model_len(), capacity)
 
     def measure_num_blocks(self) -> int:
         """CPU: a fixed budget (CPU_KV_CACHE_BYTES, at most CPU_MAX_KV_TOKENS tokens). GPU: what is left of

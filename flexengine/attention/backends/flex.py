@@ -20,7 +20,7 @@ except ImportError:
     LSE_KWARGS = {"return_lse": True}
 
 from ...compile import configure_dynamo, fused
-from ...masks import MASK_ARGS, SCORE_ARGS, check_mask_mod, check_score_mod, mod_name, request_params
+from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
 from ..metadata import Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists
 
 
@@ -32,6 +32,17 @@ def param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
                              f"requests did not supply (attention_params={{{name!r}: ...}})")
         values.append(meta.params[name])
     return values
+
+
+def _live_coords(meta: AttentionMetadata, req, q_pos, lkv):
+    """Clamp a request, query and key position into what the user's mod may see (docs/attention.md):
+    a request with tokens, positions in [0, seq_len). Flex also evaluates the mod on positions that are
+    not tokens of the request (pool slots of other requests, padding rows and tiles); the caller masks
+    those afterwards, but a mod indexing a captured tensor must never see them (an out-of-bounds read
+    in a compiled kernel)."""
+    req = torch.where(meta.seq_lens[req] > 0, req, 0)  # a padded graph row (length 0) becomes request 0
+    last = (meta.seq_lens[req] - 1).clamp(min=0)
+    return req, torch.minimum(q_pos, last).clamp(min=0), torch.minimum(lkv, last)
 
 
 def _logical_kv(meta: AttentionMetadata, req, kv_idx):
@@ -46,18 +57,22 @@ def _logical_kv(meta: AttentionMetadata, req, kv_idx):
     return lkv, owned & (lkv < meta.seq_lens[req])
 
 
+def _query(meta: AttentionMetadata, decode: bool, b, q_idx):
+    """The request and logical query position of a flex (batch row, query row)."""
+    if decode:
+        req = meta.decode_req[b]
+        return req, meta.seq_lens[req] - 1
+    return meta.prefill_req[q_idx], meta.prefill_pos[q_idx]
+
+
 def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool):
     values = param_values(meta, mask_mod, MASK_ARGS)
-    if decode:
-        def mask(b, h, q_idx, kv_idx):
-            req = meta.decode_req[b]
-            lkv, live = _logical_kv(meta, req, kv_idx)
-            return live & mask_mod(req, h, meta.seq_lens[req] - 1, lkv, *values)
-    else:
-        def mask(b, h, q_idx, kv_idx):
-            req = meta.prefill_req[q_idx]
-            lkv, live = _logical_kv(meta, req, kv_idx)
-            return live & mask_mod(req, h, meta.prefill_pos[q_idx], lkv, *values)
+
+    def mask(b, h, q_idx, kv_idx):
+        req, q_pos = _query(meta, decode, b, q_idx)
+        lkv, live = _logical_kv(meta, req, kv_idx)
+        req, q_pos, lkv = _live_coords(meta, req, q_pos, lkv)
+        return live & mask_mod(req, h, q_pos, lkv, *values)
     return mask
 
 
@@ -66,16 +81,12 @@ def paged_score(meta: AttentionMetadata, score_mod, decode: bool):
         return None
     values = param_values(meta, score_mod, SCORE_ARGS)
     P = meta.block_size
-    if decode:
-        def score(s, b, h, q_idx, kv_idx):
-            req = meta.decode_req[b]
-            lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
-            return score_mod(s, req, h, meta.seq_lens[req] - 1, lkv, *values)
-    else:
-        def score(s, b, h, q_idx, kv_idx):
-            req = meta.prefill_req[q_idx]
-            lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
-            return score_mod(s, req, h, meta.prefill_pos[q_idx], lkv, *values)
+
+    def score(s, b, h, q_idx, kv_idx):
+        req, q_pos = _query(meta, decode, b, q_idx)
+        lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
+        req, q_pos, lkv = _live_coords(meta, req, q_pos, lkv)
+        return score_mod(s, req, h, q_pos, lkv, *values)
     return score
 
 
@@ -149,7 +160,6 @@ class FlexBackend:
 
     def __init__(self, compile: bool | None = None):
         self.compile = compile  # None: compile on CUDA, eager on CPU (where Inductor's flex is slow to build)
-        self.checked: set = set()
 
     def compiled(self, device: torch.device) -> bool:
         return self.compile if self.compile is not None else device.type == "cuda"
@@ -178,15 +188,6 @@ class FlexBackend:
             meta, block_tables=compact_tables, num_blocks=n, backend_state={"pages": pages.long().to(device)},
             phys_to_logical=build_phys_to_logical(compact_tables, meta.seq_lens, P, n))
 
-    def check_once(self, meta: AttentionMetadata, mask_mod, score_mod) -> None:
-        """Run each mod eagerly on a tiny example the first time it meets a device."""
-        device = meta.block_tables.device
-        for fn, check in ((mask_mod, check_mask_mod), (score_mod, check_score_mod)):
-            if fn is not None and (fn, device) not in self.checked:
-                param_values(meta, fn, MASK_ARGS if check is check_mask_mod else SCORE_ARGS)
-                check(fn, meta.params, device)
-                self.checked.add((fn, device))
-
     def prepare(self, meta: AttentionMetadata, mods) -> None:
         """Build each distinct mask's BlockMasks and each distinct score mod's rewrite, once per step."""
         if not self.compiled(meta.block_tables.device) and "view" not in meta.backend_state:
@@ -194,7 +195,6 @@ class FlexBackend:
         view = meta.backend_state.get("view", meta)  # the metadata the kernels see
         masks, scores = meta.backend_state.setdefault("masks", {}), meta.backend_state.setdefault("scores", {})
         for mask_mod, score_mod in mods:
-            self.check_once(meta, mask_mod, score_mod)
             if mask_mod not in masks:
                 masks[mask_mod] = build_block_masks(view, mask_mod)
             if score_mod not in scores:
