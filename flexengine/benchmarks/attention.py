@@ -1,6 +1,6 @@
 """Paged flex attention against torch SDPA (flash) on dense tensors, measured in the same run.
 
-    python -m flexengine.benchmarks.attention [--page-sizes 128 16] [--json out.json]
+    python -m flexengine.benchmarks.attention [--page-sizes 128 16] [--mask causal] [--score softcap:30] [--json out.json]
 
 Rows follow DESIGN.md's baselines: Hq=32, Hkv=8, D=128, bf16. Floors: decode = K/V bytes / 3.0 TB/s;
 prefill = causal FLOPs / 790 TFLOP/s (H100 SXM dense bf16). "meta" is the whole per-step metadata
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..attention.backends.flex import FlexBackend
 from ..attention.metadata import build_metadata, choose_decode_splits, plan_layout
 from ..compile import compile_count
-from ..masks import causal
+from .. import masks
 from .common import write_json
 
 HBM_BYTES_PER_S = 3.0e12
@@ -32,7 +32,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=32, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
     p.add_argument("--head-dim", type=int, default=128, help="head size")
+    p.add_argument("--mask", default="causal", help="the mask: causal, sliding_window:W, chunked_local:C, or "
+                   "user_causal (causal as a plain user function, without the built-in's bounds: every page is "
+                   "partial, so the mask runs on every element)")
+    p.add_argument("--score", default=None, help="a score mod: softcap:C, alibi, or a registered name (default none)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
+def user_causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def parse_mods(mask: str, score: str | None, num_heads: int):
+    """--mask / --score → (mask_mod, score_mod)."""
+    name, _, arg = mask.partition(":")
+    if name == "user_causal":
+        mask_mod = user_causal
+    elif name in ("sliding_window", "chunked_local"):
+        mask_mod = getattr(masks, name)(int(arg))
+    else:
+        mask_mod = masks.get_mask_mod(mask)
+    name, _, arg = (score or "").partition(":")
+    if name == "softcap":
+        score_mod = masks.softcap(float(arg))
+    elif name == "alibi":  # the ALiBi paper's slopes for num_heads heads
+        score_mod = masks.alibi([2.0 ** (-8 * (i + 1) / num_heads) for i in range(num_heads)])
+    else:
+        score_mod = masks.get_score_mod(score or None)
+    return mask_mod, score_mod
 
 
 def bench(fn) -> float:
@@ -56,7 +83,7 @@ def paged_step(seq_lens, query_lens, page, Hq, Hkv, D, device, spare=64):
     return q, kc, vc, torch.tensor(tables, dtype=torch.int32, device=device)
 
 
-def flex_times(seq_lens, query_lens, page, Hq, Hkv, D, device):
+def flex_times(seq_lens, query_lens, page, Hq, Hkv, D, device, mods):
     q, kc, vc, bt = paged_step(seq_lens, query_lens, page, Hq, Hkv, D, device)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     backend = FlexBackend(compile=True)
@@ -67,11 +94,11 @@ def flex_times(seq_lens, query_lens, page, Hq, Hkv, D, device):
         meta = build_metadata(bt, sl, slots, plan_layout(query_lens, seq_lens, decode_splits=splits),
                               page, kc.shape[0])
         meta.backend = backend
-        backend.prepare(meta, [(causal, None)])
+        backend.prepare(meta, [mods])
         return meta
 
     meta = build()
-    run = lambda: backend.forward(q, kc, vc, meta, causal, None, D ** -0.5)  # noqa: E731
+    run = lambda: backend.forward(q, kc, vc, meta, *mods, D ** -0.5)  # noqa: E731
     run()
     # The engine replays attention inside CUDA graphs, so time the kernels, not Python dispatch.
     graph = torch.cuda.CUDAGraph()
@@ -116,7 +143,9 @@ def main(args) -> int:
     Hq, Hkv, D = args.heads, args.kv_heads, args.head_dim
     random.seed(0)
     rows = []
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | Hq={Hq} Hkv={Hkv} D={D} bf16 | µs (median)")
+    mods = parse_mods(args.mask, args.score, Hq)
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | Hq={Hq} Hkv={Hkv} D={D} bf16 | µs (median) | "
+          f"flex: mask {args.mask}, score {args.score}; SDPA: causal")
     head = "| case | floor | SDPA flash | " + " | ".join(f"flex p{p} | ratio p{p} | meta p{p}" for p in args.page_sizes) + " |"
     print(head)
     print("|" + "---|" * (3 + 3 * len(args.page_sizes)))
@@ -124,13 +153,13 @@ def main(args) -> int:
         floor = B * ctx * Hkv * D * 2 * 2 / HBM_BYTES_PER_S * 1e6
         row = dict(kind="decode", B=B, ctx=ctx, floor=floor, sdpa=sdpa_decode(B, ctx, Hq, Hkv, D, device))
         for p in args.page_sizes:
-            row[f"flex_p{p}"], row[f"meta_p{p}"] = flex_times([ctx] * B, [1] * B, p, Hq, Hkv, D, device)
+            row[f"flex_p{p}"], row[f"meta_p{p}"] = flex_times([ctx] * B, [1] * B, p, Hq, Hkv, D, device, mods)
         rows.append(row)
     for N, L in PREFILL:
         floor = 4 * N * Hq * D * L * L / 2 / BF16_FLOPS * 1e6
         row = dict(kind="prefill", B=N, ctx=L, floor=floor, sdpa=sdpa_prefill(N, L, Hq, Hkv, D, device))
         for p in args.page_sizes:
-            row[f"flex_p{p}"], row[f"meta_p{p}"] = flex_times([L] * N, [L] * N, p, Hq, Hkv, D, device)
+            row[f"flex_p{p}"], row[f"meta_p{p}"] = flex_times([L] * N, [L] * N, p, Hq, Hkv, D, device, mods)
         rows.append(row)
     for r in rows:
         cells = [f"{r['kind']} {r['B']}x{r['ctx']}", f"{r['floor']:.0f}", f"{r['sdpa']:.0f}"]
@@ -138,7 +167,8 @@ def main(args) -> int:
             cells += [f"{r[f'flex_p{p}']:.0f}", f"{r['sdpa'] / r[f'flex_p{p}']:.2f}x", f"{r[f'meta_p{p}']:.0f}"]
         print("| " + " | ".join(cells) + " |")
     print(f"# ratio = SDPA time / flex time (>1: flex faster); compiled graphs: {compile_count()}")
-    write_json(args.json, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows))
+    write_json(args.json, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, mask=args.mask,
+                               score=args.score, rows=rows))
     return 0
 
 
