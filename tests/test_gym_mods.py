@@ -78,8 +78,8 @@ def gym_score(kind: str, max_len: int, Hq: int, device="cpu"):
 
 
 @st.composite
-def gym_cases(draw, max_len=70):
-    block_size = draw(st.sampled_from([8, 16, 32]))
+def gym_cases(draw, max_len=70, block_sizes=(8, 16, 32)):
+    block_size = draw(st.sampled_from(block_sizes))
     Hkv = draw(st.sampled_from([1, 2]))
     Hq = Hkv * draw(st.sampled_from([1, 2, 3]))
     reqs = []
@@ -213,7 +213,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.gpu
 @needs_cuda
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(gym_cases(max_len=300))
+@given(gym_cases(max_len=300, block_sizes=(16, 32, 64, 128)))  # the Triton kernel's KV tile is >= 16
 def test_gym_mods_in_the_compiled_kernel(case):
     out, ref = run_gym_case(case, "flex", device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
