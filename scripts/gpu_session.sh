@@ -53,7 +53,7 @@ e2e() {
 
 for stage in ${*:-tests attention compare latency}; do
   case $stage in
-    tests) step gpu_tests 420 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short tests ;;
+    tests) step gpu_tests 520 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short tests ;;
     attention) step attention 300 python3 -m flexengine.benchmarks.attention --json "$OUT/attention.json" ;;
     compare) e2e compare_transformers ;;
     throughput|latency) e2e "$stage" ;;
