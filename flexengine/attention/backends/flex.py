@@ -45,16 +45,22 @@ def _live_coords(meta: AttentionMetadata, req, q_pos, lkv):
     return req, torch.minimum(q_pos, last).clamp(min=0), torch.minimum(lkv, last)
 
 
-def _logical_kv(meta: AttentionMetadata, req, kv_idx):
-    """Physical pool index → (logical kv position, whether it is a live token of request `req`)."""
+def _logical_kv(meta: AttentionMetadata, req, kv_idx, listed_only: bool):
+    """Physical pool index → (logical kv position, whether it is a live token of request `req`).
+
+    A kernel that visits only the listed pages (compiled flex) sees pages of `req` alone, since the
+    lists come from its block table. Eager flex scores the whole (compacted) pool, so there ownership
+    is checked too: a [q, kv] gather from the block tables, which in the compiled kernel's partial
+    tiles cost more than the attention itself (docs/benchmarks.md, session 7).
+    """
     P = meta.block_size
     page = kv_idx // P
     lp = meta.phys_to_logical[page]
     lkv = lp * P + kv_idx % P
-    # Owning the page is checked too, so correctness never rests on the block lists alone
-    # (eager flex evaluates the mask over the whole pool).
-    owned = meta.block_tables[req, lp] == page
-    return lkv, owned & (lkv < meta.seq_lens[req])
+    live = lkv < meta.seq_lens[req]
+    if not listed_only:
+        live = live & (meta.block_tables[req, lp] == page)
+    return lkv, live
 
 
 def _query(meta: AttentionMetadata, decode: bool, b, q_idx):
@@ -65,12 +71,14 @@ def _query(meta: AttentionMetadata, decode: bool, b, q_idx):
     return meta.prefill_req[q_idx], meta.prefill_pos[q_idx]
 
 
-def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool):
+def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: bool = False):
+    """The user's logical mask on the pool's physical coordinates; `listed_only`: the kernel visits only
+    the pages in the BlockMask's lists (compiled flex)."""
     values = param_values(meta, mask_mod, MASK_ARGS)
 
     def mask(b, h, q_idx, kv_idx):
         req, q_pos = _query(meta, decode, b, q_idx)
-        lkv, live = _logical_kv(meta, req, kv_idx)
+        lkv, live = _logical_kv(meta, req, kv_idx, listed_only)
         req, q_pos, lkv = _live_coords(meta, req, q_pos, lkv)
         return live & mask_mod(req, h, q_pos, lkv, *values)
     return mask
@@ -103,7 +111,7 @@ def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return out
 
 
-def build_block_masks(meta: AttentionMetadata, mask_mod):
+def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool = False):
     """(decode BlockMask or None, prefill BlockMask or None) for one logical mask."""
     lay, P = meta.layout, meta.block_size
     kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, param_values(meta, mask_mod, MASK_ARGS))
@@ -115,13 +123,13 @@ def build_block_masks(meta: AttentionMetadata, mask_mod):
         dec = BlockMask.from_kv_blocks(
             kv_num[:Bd].view(Bd, 1, 1), _pool_wide(kv_idx[:Bd], M).view(Bd, 1, 1, M),
             full_num[:Bd].view(Bd, 1, 1), _pool_wide(full_idx[:Bd], M).view(Bd, 1, 1, M),
-            BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, decode=True),
+            BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, True, listed_only),
             seq_lengths=(1, kv_len), compute_q_blocks=False)
     if Tp:
         pre = BlockMask.from_kv_blocks(
             kv_num[Bd:].view(1, 1, Tp), _pool_wide(kv_idx[Bd:], M).view(1, 1, Tp, M),
             full_num[Bd:].view(1, 1, Tp), _pool_wide(full_idx[Bd:], M).view(1, 1, Tp, M),
-            BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, decode=False),
+            BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, False, listed_only),
             seq_lengths=(Tp * Q_TILE, kv_len), compute_q_blocks=False)
     return dec, pre
 
@@ -190,13 +198,14 @@ class FlexBackend:
 
     def prepare(self, meta: AttentionMetadata, mods) -> None:
         """Build each distinct mask's BlockMasks and each distinct score mod's rewrite, once per step."""
-        if not self.compiled(meta.block_tables.device) and "view" not in meta.backend_state:
+        compiled = self.compiled(meta.block_tables.device)
+        if not compiled and "view" not in meta.backend_state:
             meta.backend_state["view"] = self.compact(meta)
         view = meta.backend_state.get("view", meta)  # the metadata the kernels see
         masks, scores = meta.backend_state.setdefault("masks", {}), meta.backend_state.setdefault("scores", {})
         for mask_mod, score_mod in mods:
             if mask_mod not in masks:
-                masks[mask_mod] = build_block_masks(view, mask_mod)
+                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only=compiled)
             if score_mod not in scores:
                 scores[score_mod] = (paged_score(view, score_mod, True), paged_score(view, score_mod, False))
 
