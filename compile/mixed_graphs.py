@@ -52,7 +52,7 @@ class MixedKey:
         prefill = self.num_tiles * Q_TILE
         return {"decode_req": rows, "tile_req": tiles, "tile_q_lo": tiles, "tile_q_hi": tiles, "tile_valid": tiles,
                 "tile_split": tiles, "prefill_req": prefill, "prefill_pos": prefill, "prefill_src": prefill,
-                "prefill_dst": prefill, "decode_src": rows, "decode_dst": self.num_decode}
+                "token_row": self.num_tokens + 1, "decode_src": rows, "decode_dst": self.num_decode}
 
 
 class MixedBuffers:
@@ -76,6 +76,8 @@ class MixedBuffers:
                  np.full(pad, scratch_slot, np.int64), tables.ravel(), seq_lens]
         for name in LAYOUT_FIELDS:
             array = getattr(layout, name)
+            if name == "token_row":  # per real token (and the spill row); padded tokens read row 0
+                array = np.concatenate([array[:-1], np.zeros(pad, np.int64), array[-1:]])
             assert len(array) == self.sizes[name], (name, len(array), self.sizes[name])
             parts.append(array)
         host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))

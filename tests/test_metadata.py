@@ -43,14 +43,18 @@ def test_plan_layout_places_every_query_once():
     assert lay.num_decode == 2 and lay.num_tiles == 3 + 2 + 1
     starts = np.cumsum([0] + query_lens[:-1])
     assert list(lay.decode_src) == [starts[0], starts[2]]
-    written = sorted(list(lay.decode_dst) + [d for d in lay.prefill_dst if d < sum(query_lens)])
-    assert written == list(range(sum(query_lens)))
+    T = sum(query_lens)
+    # every token is a decode row's or comes back from the prefill row that read it
+    prefill_tokens = [t for t in range(T) if t not in set(lay.decode_dst)]
+    assert sorted(list(lay.decode_dst) + prefill_tokens) == list(range(T))
+    assert all(lay.prefill_src[lay.token_row[t]] == t for t in prefill_tokens)
+    assert len(lay.token_row) == T + 1
     # a tile never holds two requests
     tile_of_row = np.arange(lay.num_tiles * Q_TILE) // Q_TILE
     for t in range(lay.num_tiles):
         assert len(set(lay.prefill_req[tile_of_row == t])) == 1
     # logical positions of request 3's queries: 71..199
-    rows = (lay.prefill_src >= starts[3]) & (lay.prefill_src < starts[3] + 129) & (lay.prefill_dst < sum(query_lens))
+    rows = lay.token_row[starts[3]:starts[3] + 129]
     assert sorted(lay.prefill_pos[rows]) == list(range(71, 200))
 
 

@@ -48,10 +48,10 @@ def _live_coords(meta: AttentionMetadata, req, q_pos, lkv):
 def _logical_kv(meta: AttentionMetadata, req, kv_idx, listed_only: bool):
     """Physical pool index → (logical kv position, whether it is a live token of request `req`).
 
-    A kernel that visits only the listed pages (compiled flex) sees pages of `req` alone, since the
-    lists come from its block table. Eager flex scores the whole (compacted) pool, so there ownership
-    is checked too: a [q, kv] gather from the block tables, which in the compiled kernel's partial
-    tiles cost more than the attention itself (docs/benchmarks.md, session 7).
+    A kernel that visits only the listed pages (compiled flex on CUDA) sees pages of `req` alone, since
+    the lists come from its block table. Elsewhere (eager flex scores the whole compacted pool) ownership
+    is checked too: a [q, kv] gather from the block tables, which in the Triton kernel's partial tiles
+    cost more than the attention itself (docs/benchmarks.md, session 7).
     """
     P = meta.block_size
     page = kv_idx // P
@@ -73,7 +73,7 @@ def _query(meta: AttentionMetadata, decode: bool, b, q_idx):
 
 def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: bool = False):
     """The user's logical mask on the pool's physical coordinates; `listed_only`: the kernel visits only
-    the pages in the BlockMask's lists (compiled flex)."""
+    the pages in the BlockMask's lists (compiled flex on CUDA)."""
     values = param_values(meta, mask_mod, MASK_ARGS)
 
     def mask(b, h, q_idx, kv_idx):
@@ -198,14 +198,18 @@ class FlexBackend:
 
     def prepare(self, meta: AttentionMetadata, mods) -> None:
         """Build each distinct mask's BlockMasks and each distinct score mod's rewrite, once per step."""
-        compiled = self.compiled(meta.block_tables.device)
+        device = meta.block_tables.device
+        compiled = self.compiled(device)
+        # The Triton kernel reads exactly the listed pages (its KV tile divides the page); Inductor's CPU
+        # template reads blocks of its own width, which can run past a page into another request's.
+        listed_only = compiled and device.type == "cuda"
         if not compiled and "view" not in meta.backend_state:
             meta.backend_state["view"] = self.compact(meta)
         view = meta.backend_state.get("view", meta)  # the metadata the kernels see
         masks, scores = meta.backend_state.setdefault("masks", {}), meta.backend_state.setdefault("scores", {})
         for mask_mod, score_mod in mods:
             if mask_mod not in masks:
-                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only=compiled)
+                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only)
             if score_mod not in scores:
                 scores[score_mod] = (paged_score(view, score_mod, True), paged_score(view, score_mod, False))
 
@@ -227,8 +231,14 @@ class FlexBackend:
         gqa = Hq != Hkv
         # the kernel's kv tile must divide the page; default tiles can be 128 wide
         opts = {"kernel_options": {"BLOCK_N": P}} if P < 128 else {}
-        # row T swallows padding rows; padding tokens (lay.padded_tokens) get zeros
-        out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)
+        # Row T swallows padding decode rows. Prefill rows come back by one gather, which also fills
+        # the rows of decode tokens (overwritten below) and of padded tokens (row 0: finite).
+        if lay.num_tiles:
+            qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
+            op = flex(qp, k, v, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa, **opts)
+            out = op[0].transpose(0, 1)[meta.token_row]
+        else:
+            out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)
         if lay.num_decode:
             qd = query[meta.decode_src].unsqueeze(2)  # [Bd * S, Hq, 1, D]
             S = lay.decode_splits
@@ -240,8 +250,4 @@ class FlexBackend:
                 lse = getattr(lse, "lse", lse)
                 od = merge_splits(od.view(lay.num_decode, S, Hq, D), lse.view(lay.num_decode, S, Hq)).to(query.dtype)
             out.index_copy_(0, meta.decode_dst, od)
-        if lay.num_tiles:
-            qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
-            op = flex(qp, k, v, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa, **opts)
-            out.index_copy_(0, meta.prefill_dst, op[0].transpose(0, 1))
         return out[:T]
