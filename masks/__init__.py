@@ -5,7 +5,7 @@ A mask mod is `mask_mod(b, h, q_idx, kv_idx) -> bool tensor`, a score mod is
 request's own sequence). The engine translates them to the paged cache; this package imports nothing
 from the engine.
 """
-from .builtins import (alibi, and_masks, bidirectional, causal, chunked_local, or_masks, prefix_lm,
+from .builtins import (alibi, and_masks, bidirectional, causal, chunked_local, kv_bounds_of, or_masks, prefix_lm,
                        prefix_lm_per_request, sliding_window, softcap)
 from .checks import check_mask_mod, check_score_mod
 from .registry import (MASK_ARGS, SCORE_ARGS, RequestParam, get_mask_mod, get_score_mod, list_mask_mods,
@@ -14,7 +14,7 @@ from .registry import (MASK_ARGS, SCORE_ARGS, RequestParam, get_mask_mod, get_sc
 
 __all__ = [
     "causal", "bidirectional", "sliding_window", "chunked_local", "prefix_lm", "prefix_lm_per_request",
-    "softcap", "alibi", "and_masks", "or_masks", "register_mask_mod", "register_score_mod",
+    "softcap", "alibi", "and_masks", "or_masks", "kv_bounds_of", "register_mask_mod", "register_score_mod",
     "MASK_ARGS", "SCORE_ARGS", "get_mask_mod", "get_score_mod", "list_mask_mods", "list_score_mods", "mod_name", "request_params",
     "RequestParam", "merge_request_params",
 ]

@@ -5,7 +5,8 @@ that request's sequence. Each mask may carry `kv_bounds(b, q_lo, q_hi, kv_len, *
 of queries at positions q_lo..q_hi (inclusive) it returns half-open token ranges
 `(any_lo, any_hi, all_lo, all_hi)` such that every kv the mask allows for some query of the tile lies
 in [any_lo, any_hi) and every kv in [all_lo, all_hi) is allowed for all of them. The engine turns these
-into page lists and full pages; a mask without bounds visits all of a request's pages.
+into page lists and full pages; a mask without bounds visits all of a request's pages (only those up to
+the tile's last query if it is causal_safe), all of them as partial pages (`kv_bounds_of`).
 A mask with `causal_safe = True` never lets a query see a later key, so a token's K/V depends only
 on the tokens before it and its pages may be shared through the prefix cache.
 """
@@ -145,12 +146,26 @@ def _combine(mods, op, bounds_op, name):
 
     combined.request_params = {n: p.dtype for n, p in merged.items()}
     combined.mod_name = f"{name}({', '.join(mod_name(m) for m in mods)})"
-    if all(hasattr(m, "kv_bounds") for m in mods):
+    if any(hasattr(m, "kv_bounds") for m in mods):  # a part without bounds adds what any mask allows
         def kv_bounds(b, q_lo, q_hi, kv_len, *values):
-            parts = [m.kv_bounds(b, q_lo, q_hi, kv_len, *pick(values, names)) for m, names in zip(mods, own)]
+            parts = [kv_bounds_of(m)(b, q_lo, q_hi, kv_len, *pick(values, names)) for m, names in zip(mods, own)]
             return bounds_op(parts)
         combined.kv_bounds = kv_bounds
     return combined
+
+
+def kv_bounds_of(mask):
+    """The mask's `kv_bounds`, or for a mask without them what any such mask allows: keys up to the tile's
+    last query if it is causal_safe, else the whole request, and no all-true range."""
+    bounds = getattr(mask, "kv_bounds", None)
+    if bounds is not None:
+        return bounds
+    causal_safe = _causal_safe(mask)
+
+    def unknown(b, q_lo, q_hi, kv_len, *values):
+        zero = torch.zeros_like(q_lo)
+        return zero, (q_hi + 1 if causal_safe else kv_len + zero), zero, zero
+    return unknown
 
 
 def _and_bounds(parts):

@@ -30,6 +30,13 @@ def sink(n):
     return lambda b, h, q_idx, kv_idx: kv_idx < n
 
 
+def causal_stripes(k):  # causal, unbounded, and marked: the engine may stop its pages at the tile's last query
+    def stripes(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((q_idx - kv_idx) % k != 1)
+    stripes.causal_safe = True
+    return stripes
+
+
 def head_window(w):
     return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx) < (h + 1) * w  # head h sees (h+1)*w back, and ahead
 
@@ -42,6 +49,7 @@ def same_chunk(c):
 LEAVES = {
     "causal": lambda: masks.causal, "window": masks.sliding_window, "chunk": masks.chunked_local,
     "prefix": masks.prefix_lm, "sink": sink, "head_window": head_window, "same_chunk": same_chunk,
+    "stripes": causal_stripes,
 }
 leaf = st.one_of(
     st.just(("causal",)),
@@ -49,6 +57,7 @@ leaf = st.one_of(
     st.tuples(st.sampled_from(["chunk", "same_chunk"]), st.integers(2, 16)),
     st.tuples(st.just("prefix"), st.integers(0, 20)),
     st.tuples(st.just("sink"), st.integers(1, 6)),
+    st.tuples(st.just("stripes"), st.integers(2, 4)),
 )
 mask_spec = st.recursive(leaf, lambda inner: st.tuples(st.sampled_from(["and", "or"]), inner, inner), max_leaves=4)
 score_spec = st.sampled_from([None, ("softcap", 2.0), ("distance", 0.1)])
@@ -87,14 +96,17 @@ bounded_spec = st.recursive(bounded_leaf, lambda inner: st.tuples(st.sampled_fro
                             max_leaves=4)
 
 
-@settings(max_examples=60, deadline=None)
-@given(mask=bounded_spec, q_lo=st.integers(0, 40), span=st.integers(0, 16), extra=st.integers(0, 16))
+@settings(max_examples=100, deadline=None)
+@given(mask=st.one_of(bounded_spec, mask_spec), q_lo=st.integers(0, 40), span=st.integers(0, 16),
+       extra=st.integers(0, 16))
 def test_composed_kv_bounds_are_sound(mask, q_lo, span, extra):
-    """The page lists come from kv_bounds; eager flex on CPU evaluates the mask densely and would not
-    notice bounds that drop an allowed key or call a partial page full, so check them directly."""
+    """The page lists come from kv_bounds (a part without them adds what any mask allows); eager flex on
+    CPU evaluates the mask densely and would not notice bounds that drop an allowed key or call a
+    partial page full, so check them directly."""
     mod = build_mask(mask)
     q_hi, L = q_lo + span, q_lo + span + 1 + extra
-    a_lo, a_hi, f_lo, f_hi = (int(x) for x in mod.kv_bounds(*(torch.tensor([x]) for x in (0, q_lo, q_hi, L))))
+    bounds = masks.kv_bounds_of(mod)
+    a_lo, a_hi, f_lo, f_hi = (int(x) for x in bounds(*(torch.tensor([x]) for x in (0, q_lo, q_hi, L))))
     q, kv = torch.arange(q_lo, q_hi + 1)[:, None], torch.arange(L)[None, :]
     allowed = mod(0, 0, q, kv)
     seen = allowed.any(0).nonzero().flatten()

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..masks import kv_bounds_of
+
 Q_TILE = 128  # flex q block for prefill tiles; one tile never holds two requests
 
 
@@ -249,7 +251,8 @@ def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tenso
     """Per tile: the partial and the full page lists for `mask_mod`, as flex kv_* tensors [tiles, M].
 
     Pages come from the mask's logical `kv_bounds` (any-true and all-true token ranges), clipped to
-    the request's context; a mask without bounds visits all its pages as partial. Partial pages are
+    the request's context; a mask without bounds visits all its pages (up to the tile's last query when
+    it is causal_safe) as partial. Partial pages are
     [lo, flo) ∪ [fhi, hi) and full pages [flo, fhi), in logical page units, then mapped through the
     block table, so no page of another request can appear.
     """
@@ -258,12 +261,8 @@ def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tenso
     L = meta.seq_lens.long()[req]
     q_lo, q_hi = meta.tile_q_lo, meta.tile_q_hi
     zero = torch.zeros_like(L)
-    bounds = getattr(mask_mod, "kv_bounds", None)
-    if bounds is None:
-        a_lo, a_hi, f_lo, f_hi = zero, L, zero, zero
-    else:
-        a_lo, a_hi, f_lo, f_hi = (torch.as_tensor(x, device=L.device).long().expand_as(L)
-                                  for x in bounds(req, q_lo, q_hi, L, *param_values))
+    a_lo, a_hi, f_lo, f_hi = (torch.as_tensor(x, device=L.device).long().expand_as(L)
+                              for x in kv_bounds_of(mask_mod)(req, q_lo, q_hi, L, *param_values))
     a_lo, a_hi = a_lo.clamp(min=0), torch.minimum(a_hi, L)
     f_lo, f_hi = torch.maximum(f_lo, a_lo), torch.minimum(f_hi, a_hi)
     valid = meta.tile_valid & (a_hi > a_lo)

@@ -32,9 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=32, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
     p.add_argument("--head-dim", type=int, default=128, help="head size")
-    p.add_argument("--mask", default="causal", help="the mask: causal, sliding_window:W, chunked_local:C, or "
-                   "user_causal (causal as a plain user function, without the built-in's bounds: every page is "
-                   "partial, so the mask runs on every element)")
+    p.add_argument("--mask", default="causal", help="the mask: causal, sliding_window:W, chunked_local:C, "
+                   "user_causal (causal as a plain user function, without the built-in's bounds: every page of the "
+                   "request is partial, so the mask runs on every element), or causal_and_user (a user function "
+                   "without bounds composed with causal, as docs/attention.md serves attention-gym's masks)")
     p.add_argument("--score", default=None, help="a score mod: softcap:C, alibi, or a registered name (default none)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
@@ -43,11 +44,17 @@ def user_causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
+def user_window(b, h, q_idx, kv_idx):  # symmetric and wider than any benchmarked context: allows everything
+    return (q_idx - kv_idx).abs() < 1 << 20
+
+
 def parse_mods(mask: str, score: str | None, num_heads: int):
     """--mask / --score → (mask_mod, score_mod)."""
     name, _, arg = mask.partition(":")
     if name == "user_causal":
         mask_mod = user_causal
+    elif name == "causal_and_user":
+        mask_mod = masks.and_masks("causal", user_window)
     elif name in ("sliding_window", "chunked_local"):
         mask_mod = getattr(masks, name)(int(arg))
     else:
