@@ -9,8 +9,11 @@
 #   TF_PROMPTS (prompts for transformers generate_batch, default NUM_PROMPTS), BATCH1 (1: add the
 #   batch-1 comparison with transformers generate, ~1-2 min more), BUDGET (seconds, 390), PYTHON,
 #   DRY_RUN (1: print the commands, run nothing), STEPS (which of throughput latency
-#   compare_transformers throughput_eager latency_eager to run, in that order; default all),
-#   ENGINE_ARGS (extra engine flags for every run, e.g. "--num-scheduler-steps 8").
+#   compare_transformers throughput_eager latency_eager compare_prompt_heavy compare_long to run, in that
+#   order; default the first five), ENGINE_ARGS (extra engine flags for every run, e.g.
+#   "--num-scheduler-steps 8"). The prompt-heavy comparisons (issue 15): compare_prompt_heavy is 64 prompts
+#   x 2048 tokens x 16 out (vLLM's benchmark_throughput --input-len 2048 --output-len 16), compare_long
+#   16 x 6144 x 256.
 set -u
 OUT=${OUT:-bench_out}
 MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}
@@ -21,7 +24,7 @@ BATCH1=${BATCH1:-0}
 BUDGET=${BUDGET:-390}
 PY=${PYTHON:-python3}
 DRY_RUN=${DRY_RUN:-0}
-STEPS=${STEPS:-throughput latency compare_transformers throughput_eager latency_eager}
+STEPS=${STEPS:-throughput latency compare_transformers throughput_eager latency_eager}  # see the header for more
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 for s in make_model $STEPS; do rm -f "$OUT/$s.log" "$OUT/$s.json"; done  # no stale results
@@ -54,7 +57,7 @@ summary() {
   echo; echo "=================== e2e summary ($(( $(date +%s) - START ))s) ==================="
   printf '%s\n' "${STATUS[@]}"
   local log
-  for log in "$OUT"/throughput*.log "$OUT"/latency*.log "$OUT"/compare_transformers.log; do
+  for log in "$OUT"/throughput*.log "$OUT"/latency*.log "$OUT"/compare_*.log; do
     [[ -f $log ]] || continue
     echo "--- $(basename "$log" .log)"
     grep -E '^(# |Throughput:|Cold start|Graphs compiled|Avg latency|Decode:|Weight-read|Achieved|\| |flexengine / transformers|transformers generate_batch)' "$log"
@@ -80,4 +83,8 @@ want throughput_eager && run_step throughput_eager 120 "$PY" -m flexengine.cli b
   --num-prompts "$NUM_PROMPTS" --input-len 256 --output-len 256 --json-out "$OUT/throughput_eager.json"
 want latency_eager && run_step latency_eager 100 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --max-num-seqs 1 --enforce-eager --batch-size 1 \
   --input-len 128 --output-len 256 --num-iters 2 --json-out "$OUT/latency_eager.json"
+want compare_prompt_heavy && run_step compare_prompt_heavy 300 "$PY" -m flexengine.benchmarks.compare_transformers \
+  "${COMMON[@]}" --num-prompts 64 --input-len 2048 --output-len 16 --json-out "$OUT/compare_prompt_heavy.json"
+want compare_long && run_step compare_long 400 "$PY" -m flexengine.benchmarks.compare_transformers "${COMMON[@]}" \
+  --num-prompts 16 --input-len 6144 --output-len 256 --json-out "$OUT/compare_long.json"
 summary

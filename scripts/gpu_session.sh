@@ -3,7 +3,7 @@
 # longer fits is skipped, and says so). Logs land in $OUT (or ./bench_out); a summary comes last.
 #   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
 # Stages: tests (pytest -m gpu), attention (kernel table), compare (flexengine vs transformers
-# generate_batch, 256 x 256 x 256), throughput, latency (batch 1), eager (throughput and latency with
+# generate_batch, 256 x 256 x 256), prompt_heavy (the same, 64 x 2048 x 16), long (16 x 6144 x 256), throughput, latency (batch 1), eager (throughput and latency with
 # --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py, with
 # PROFILE_ARGS), fa4 (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU
 # tests; later stages still run without it), flash (throughput and latency with FA4 on the path:
@@ -56,6 +56,8 @@ for stage in ${*:-tests attention compare latency}; do
     tests) step gpu_tests 520 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short tests ;;
     attention) step attention 300 python3 -m flexengine.benchmarks.attention --json "$OUT/attention.json" ;;
     compare) e2e compare_transformers ;;
+    prompt_heavy) e2e compare_prompt_heavy ;;  # 64 x 2048 in x 16 out against transformers
+    long) e2e compare_long ;;                  # 16 x 6144 in x 256 out against transformers
     throughput|latency) e2e "$stage" ;;
     eager) e2e latency_eager throughput_eager ;;
     serve) step serve 300 bash scripts/serve_bench.sh ;;  # it makes the checkpoint itself
