@@ -116,7 +116,8 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
     prefill_src = np.where(row_valid, starts[row_req] + row_k, 0)
     token_row = np.zeros(T + 1, np.int64)
     token_row[prefill_src[row_valid]] = np.nonzero(row_valid)[0]
-    prefill_pos = ctx[row_req] + row_k
+    # a padding row reads as its request's last token: the user's mod sees only real positions
+    prefill_pos = np.minimum(ctx[row_req] + row_k, sl[row_req] - 1)
 
     S = decode_splits
     dreq = np.repeat(np.concatenate([dec, z(dec_pad)]), S)

@@ -34,15 +34,18 @@ def param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
     return values
 
 
-def _live_coords(meta: AttentionMetadata, req, q_pos, lkv):
-    """Clamp a request, query and key position into what the user's mod may see (docs/attention.md):
-    a request with tokens, positions in [0, seq_len). Flex also evaluates the mod on positions that are
-    not tokens of the request (pool slots of other requests, padding rows and tiles); the caller masks
-    those afterwards, but a mod indexing a captured tensor must never see them (an out-of-bounds read
-    in a compiled kernel)."""
-    req = torch.where(meta.seq_lens[req] > 0, req, 0)  # a padded graph row (length 0) becomes request 0
-    last = (meta.seq_lens[req] - 1).clamp(min=0)
-    return req, torch.minimum(q_pos, last).clamp(min=0), torch.minimum(lkv, last)
+def _live_coords(meta: AttentionMetadata, decode: bool, req, q_pos, lkv):
+    """The request and positions the user's mod sees (docs/attention.md): a request with tokens, positions
+    in [0, seq_len). Flex also evaluates the mod on slots that are not tokens of the request (other
+    requests' pages, the tail of its last page, padding); the caller masks those afterwards, but a mod
+    indexing a captured tensor must never see them (an out-of-bounds read in a compiled kernel).
+    Prefill rows arrive valid (plan_layout gives padding rows a real request and position), so they
+    pay one `min` per element; a padded decode row of a CUDA graph (length 0) reads as request 0."""
+    if decode:
+        req = torch.where(meta.seq_lens[req] > 0, req, 0)
+        last = (meta.seq_lens[req] - 1).clamp(min=0)  # 0 only while a graph is captured over empty buffers
+        return req, last, torch.minimum(lkv, last)
+    return req, q_pos, torch.minimum(lkv, meta.seq_lens[req] - 1)
 
 
 def _logical_kv(meta: AttentionMetadata, req, kv_idx, listed_only: bool):
@@ -79,7 +82,7 @@ def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: boo
     def mask(b, h, q_idx, kv_idx):
         req, q_pos = _query(meta, decode, b, q_idx)
         lkv, live = _logical_kv(meta, req, kv_idx, listed_only)
-        req, q_pos, lkv = _live_coords(meta, req, q_pos, lkv)
+        req, q_pos, lkv = _live_coords(meta, decode, req, q_pos, lkv)
         return live & mask_mod(req, h, q_pos, lkv, *values)
     return mask
 
@@ -93,7 +96,7 @@ def paged_score(meta: AttentionMetadata, score_mod, decode: bool):
     def score(s, b, h, q_idx, kv_idx):
         req, q_pos = _query(meta, decode, b, q_idx)
         lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
-        req, q_pos, lkv = _live_coords(meta, req, q_pos, lkv)
+        req, q_pos, lkv = _live_coords(meta, decode, req, q_pos, lkv)
         return score_mod(s, req, h, q_pos, lkv, *values)
     return score
 
