@@ -135,3 +135,19 @@ def test_e2e_script_commands_parse(tmp_path):
             parser = argparse.ArgumentParser()
             compare_transformers.add_arguments(parser)
             assert parser.parse_args(argv[3:]).batch1
+
+
+def test_every_benchmark_takes_max_model_len(capsys):
+    """vLLM's --max-model-len reaches the engine from every benchmark's engine flags."""
+    from flexengine.benchmarks.common import add_engine_arguments, build_llm
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    llm, _ = build_llm(parser.parse_args([*TINY, "--max-model-len", "48"]))
+    assert llm.llm_engine.max_model_len == 48
+    for bench in ("throughput", "latency"):
+        with pytest.raises(SystemExit) as help_exit:
+            cli.main(["bench", bench, "--help"])
+        assert help_exit.value.code == 0 and "--max-model-len" in capsys.readouterr().out, bench
+    compare = argparse.ArgumentParser()
+    compare_transformers.add_arguments(compare)
+    assert compare.parse_args(["--max-model-len", "64"]).max_model_len == 64

@@ -21,6 +21,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs, no compiled layers (FlexAttention stays compiled on a GPU)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest request in tokens, prompt and output (default: the model's, capped by the engine)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (default: sized from memory)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (None: the engine's 16)")
     p.add_argument("--attention-backend", default=None, help="flex | flash | reference | auto")
@@ -38,7 +40,8 @@ def engine_kwargs(args) -> dict:
                   async_scheduling=args.async_scheduling)
     optional = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
-                    num_scheduler_steps=args.num_scheduler_steps, block_size=args.block_size)
+                    num_scheduler_steps=args.num_scheduler_steps, block_size=args.block_size,
+                    max_model_len=args.max_model_len)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs
 
