@@ -14,7 +14,7 @@ from .registry import MASK_ARGS, SCORE_ARGS, mod_name, request_params
 COORDS = ("b", "h", "q_idx", "kv_idx")
 
 
-def _grid(fn, n_args, first=0):
+def vmap_over_coords(fn, n_args, first=0):
     """vmap over each coordinate, the way FlexAttention evaluates a mod on scalar indices; arguments
     before `first` (a score) are mapped along with every coordinate."""
     for dim in reversed(range(first, n_args)):
@@ -41,9 +41,9 @@ def _coords(num_reqs: int, num_heads: int, max_len: int, device) -> dict[str, to
 def _evaluate(fn, coords: dict[str, torch.Tensor], values, score: bool):
     b, h, q, kv = (coords[c] for c in COORDS)
     if not score:
-        return _grid(lambda *a: fn(*a, *values), 4)(b, h, q, kv)
+        return vmap_over_coords(lambda *a: fn(*a, *values), 4)(b, h, q, kv)
     s = torch.zeros(len(b), len(h), len(q), len(kv), device=b.device)
-    return _grid(lambda s_, *a: fn(s_, *a, *values), 5, first=1)(s, b, h, q, kv)
+    return vmap_over_coords(lambda s_, *a: fn(s_, *a, *values), 5, first=1)(s, b, h, q, kv)
 
 
 def _culprit(fn, coords, values, score: bool) -> str | None:

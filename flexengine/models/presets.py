@@ -57,6 +57,12 @@ PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-6, rope_theta=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
         attention_bias=False, initializer_range=0.02),
+    "smollm2-135m": dict(  # SmolLM2-135M(-Instruct): the small real model of the CPU benchmarks
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+        rope_scaling=None, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+        initializer_range=0.041666666666666664),
     "mistral-7b": dict(  # Mistral-7B-v0.1: the release with a 4096 sliding window
         architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=32000, hidden_size=4096,
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

@@ -11,6 +11,7 @@ import functools
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 try:  # torch >= 2.9 asks for the log-sum-exp through return_aux; return_lse is deprecated there
@@ -20,7 +21,7 @@ except ImportError:
     LSE_KWARGS = {"return_lse": True}
 
 from ...compile import configure_dynamo, fused
-from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
+from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
 from ..metadata import Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists
 
 
@@ -200,7 +201,8 @@ class FlexBackend:
             phys_to_logical=build_phys_to_logical(compact_tables, meta.seq_lens, P, n))
 
     def prepare(self, meta: AttentionMetadata, mods) -> None:
-        """Build each distinct mask's BlockMasks and each distinct score mod's rewrite, once per step."""
+        """Build each distinct mask's BlockMasks (compiled) and each distinct score mod's rewrite, once per
+        step; eager flex gets the step's compacted pages instead (see forward_dense)."""
         device = meta.block_tables.device
         compiled = self.compiled(device)
         # The Triton kernel reads exactly the listed pages (its KV tile divides the page); Inductor's CPU
@@ -211,10 +213,59 @@ class FlexBackend:
         view = meta.backend_state.get("view", meta)  # the metadata the kernels see
         masks, scores = meta.backend_state.setdefault("masks", {}), meta.backend_state.setdefault("scores", {})
         for mask_mod, score_mod in mods:
-            if mask_mod not in masks:
-                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only)
+            if mask_mod not in masks:  # eager: dense masks instead, made when a layer first asks (dense_mask)
+                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only) if compiled else (None, None)
             if score_mod not in scores:
                 scores[score_mod] = (paged_score(view, score_mod, True), paged_score(view, score_mod, False))
+
+    def dense_mask(self, meta: AttentionMetadata, mask_mod, num_heads: int, decode: bool) -> torch.Tensor:
+        """The step's mask over its compacted pages, [rows, Hq, q, kv] bool, evaluated once per step and
+        shared by every layer (eager flex evaluated the paged mask through vmap again in each layer)."""
+        dense = meta.backend_state.setdefault("dense", {})
+        key = (mask_mod, num_heads, decode)
+        if key not in dense:
+            view, lay = meta.backend_state["view"], meta.layout
+            rows, q_len = (lay.num_decode * lay.decode_splits, 1) if decode else (1, lay.num_tiles * Q_TILE)
+            coords = (torch.arange(n, device=view.block_tables.device)
+                      for n in (rows, num_heads, q_len, view.num_blocks * view.block_size))
+            # plain vmap: flex's create_mask wraps every index op and took 35 ms a step for one decode row
+            mask = vmap_over_coords(paged_mask(view, mask_mod, decode), 4)(*coords)
+            dense[key] = mask, mask.any(-1, keepdim=True)  # a row that sees no key gives zeros, as flex does
+        return dense[key]
+
+    def forward_dense(self, query, k, v, meta: AttentionMetadata, mask_mod, score_mod, scale):
+        """Eager attention over the compacted pool (CPU): the step's dense masks, then SDPA per layer, or
+        plain math where a score mod must see the scores. k, v: [1, Hkv, N, D]."""
+        T, Hq, D = query.shape
+        lay = meta.layout
+        dec_sm, pre_sm = meta.backend_state["scores"][score_mod]
+
+        def attend(q, mask_and_any, score, rows):  # rows: the flex batch row of each of q's rows
+            mask, any_key = mask_and_any
+            kk, vv = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
+            if score is None:
+                o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale, enable_gqa=Hq != k.shape[1])
+            else:
+                rep = Hq // k.shape[1]
+                kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+                coords = (torch.arange(n, device=q.device) for n in (Hq, q.shape[2], kk.shape[2]))
+                s = vmap_over_coords(score, 5, first=1)((q.float() @ kk.float().transpose(-1, -2)) * scale, rows, *coords)
+                o = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vv.float()).to(q.dtype)
+            return torch.where(any_key, o, 0)
+
+        if lay.num_tiles:
+            qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
+            op = attend(qp, self.dense_mask(meta, mask_mod, Hq, decode=False), pre_sm, query.new_zeros(1, dtype=torch.long))
+            out = op[0].transpose(0, 1)[meta.token_row]
+        else:
+            out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)
+        if lay.num_decode:  # split-KV rows (tests only, off CUDA) see every page here: one row per request
+            S = lay.decode_splits
+            mask, any_key = self.dense_mask(meta, mask_mod, Hq, decode=True)
+            rows = torch.arange(0, lay.num_decode * S, S, device=query.device)
+            od = attend(query[meta.decode_src[rows]].unsqueeze(2), (mask[rows], any_key[rows]), dec_sm, rows)
+            out.index_copy_(0, meta.decode_dst, od.squeeze(2))
+        return out[:T]
 
     def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, mask_mod, score_mod, scale):
         T, Hq, D = query.shape
@@ -230,6 +281,8 @@ class FlexBackend:
             key_cache, value_cache, NB = key_cache[pages], value_cache[pages], len(pages)
         k = key_cache.view(1, NB * P, Hkv, D).transpose(1, 2)
         v = value_cache.view(1, NB * P, Hkv, D).transpose(1, 2)
+        if view is not None:
+            return self.forward_dense(query, k, v, meta, mask_mod, score_mod, scale)
         flex = self.flex_fn(query.device)
         gqa = Hq != Hkv
         # the kernel's kv tile must divide the page; default tiles can be 128 wide
