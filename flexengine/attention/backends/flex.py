@@ -2,13 +2,13 @@
 
 `prepare` runs once per step and builds, for each distinct mask mod of the model, one BlockMask for
 the decode rows and one for the prefill tiles (see metadata.py for the layout); every layer with that
-mask reuses them.
+mask reuses them. Without compilation (the CPU) the same rewritten mods are evaluated once per step
+into dense masks over the step's own pages, and each layer runs SDPA (`forward_dense`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -148,14 +148,6 @@ def merge_splits(out_BSHD: torch.Tensor, lse_BSH: torch.Tensor) -> torch.Tensor:
     return (w[..., None] * out_BSHD.float()).sum(1) / total[..., None]
 
 
-def _eager_flex(*args, **kwargs):
-    # Eager is the intended path on CPU (the pool is compacted to the step's pages first), so torch's
-    # "called without torch.compile" advice is noise there; on CUDA the compiled kernel is always used.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(*args, **kwargs)
-
-
 @functools.cache
 def _compiled_flex():
     # Eager flex materialises the whole score matrix; on a GPU only the compiled kernel is acceptable,
@@ -176,13 +168,14 @@ class FlexBackend:
     def compiled(self, device: torch.device) -> bool:
         return self.compile if self.compile is not None else device.type == "cuda"
 
-    def flex_fn(self, device: torch.device):
+    def flex_fn(self):
+        """The compiled kernel (the eager path, forward_dense, runs no flex call at all)."""
         if torch.compiler.is_compiling():  # inside a compiled model: dynamo traces the flex op itself
             return flex_attention
-        return _compiled_flex() if self.compiled(device) else _eager_flex
+        return _compiled_flex()
 
     def compact(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Eager flex scores every slot of the pool it is given, so hand it only the step's pages.
+        """The eager path scores every slot of the pool it is given, so hand it only the step's pages.
 
         The compact pool holds the used pages in block-table order and the tables are renumbered; the
         compiled kernel skips unlisted pages by itself and keeps the whole pool (no copy).
@@ -283,7 +276,7 @@ class FlexBackend:
         v = value_cache.view(1, NB * P, Hkv, D).transpose(1, 2)
         if view is not None:
             return self.forward_dense(query, k, v, meta, mask_mod, score_mod, scale)
-        flex = self.flex_fn(query.device)
+        flex = self.flex_fn()
         gqa = Hq != Hkv
         # the kernel's kv tile must divide the page; default tiles can be 128 wide
         opts = {"kernel_options": {"BLOCK_N": P}} if P < 128 else {}
