@@ -104,7 +104,8 @@ def _run(kind, fn, score: bool, params, device, num_heads, max_len, num_reqs, li
 
 
 def check_mask_mod(fn, params: dict | None = None, device="cpu", *, num_heads: int = 2, max_len: int = 4,
-                   num_reqs: int | None = None, limit: str = "max_model_len", seq_lens: list[int] | None = None) -> None:
+                   num_reqs: int | None = None, limit: str = "max_model_len",
+                   seq_lens: list[int] | None = None) -> None:
     """Evaluate `fn` on requests [0, num_reqs), heads [0, num_heads) and positions reaching max_len - 1
     (`limit` names what bounds the positions, for the error)."""
     out, expect = _run("mask_mod", fn, False, params, device, num_heads, max_len, num_reqs, limit, seq_lens)
@@ -117,7 +118,8 @@ def check_mask_mod(fn, params: dict | None = None, device="cpu", *, num_heads: i
 
 
 def check_score_mod(fn, params: dict | None = None, device="cpu", num_heads: int | None = None, *, max_len: int = 4,
-                    num_reqs: int | None = None, limit: str = "max_model_len", seq_lens: list[int] | None = None) -> None:
+                    num_reqs: int | None = None, limit: str = "max_model_len",
+                   seq_lens: list[int] | None = None) -> None:
     num_heads = num_heads or getattr(fn, "num_heads", None) or 2  # alibi knows its head count
     out, expect = _run("score_mod", fn, True, params, device, num_heads, max_len, num_reqs, limit, seq_lens)
     if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point or tuple(out.shape) != expect:

@@ -42,7 +42,9 @@ def plain(mod):
 
 
 def plain_score(mod):
-    return lambda s, b, h, q, kv: float(mod(torch.tensor(s, dtype=torch.float64), *(torch.tensor(x) for x in (b, h, q, kv))))
+    def score(s, b, h, q, kv):
+        return float(mod(torch.tensor(s, dtype=torch.float64), *(torch.tensor(x) for x in (b, h, q, kv))))
+    return score
 
 
 def gym_mask(kind: str, max_len: int, Hq: int, rng: random.Random, device="cpu"):

@@ -195,7 +195,7 @@ class FlexBackend:
 
     def prepare(self, meta: AttentionMetadata, mods) -> None:
         """Build each distinct mask's BlockMasks (compiled) and each distinct score mod's rewrite, once per
-        step; eager flex gets the step's compacted pages instead (see forward_dense)."""
+        step; the eager path gets the step's compacted pages instead (see forward_dense)."""
         device = meta.block_tables.device
         compiled = self.compiled(device)
         # The Triton kernel reads exactly the listed pages (its KV tile divides the page); Inductor's CPU
@@ -242,13 +242,15 @@ class FlexBackend:
                 rep = Hq // k.shape[1]
                 kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
                 coords = (torch.arange(n, device=q.device) for n in (Hq, q.shape[2], kk.shape[2]))
-                s = vmap_over_coords(score, 5, first=1)((q.float() @ kk.float().transpose(-1, -2)) * scale, rows, *coords)
+                s = (q.float() @ kk.float().transpose(-1, -2)) * scale
+                s = vmap_over_coords(score, 5, first=1)(s, rows, *coords)
                 o = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vv.float()).to(q.dtype)
             return torch.where(any_key, o, 0)
 
         if lay.num_tiles:
             qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
-            op = attend(qp, self.dense_mask(meta, mask_mod, Hq, decode=False), pre_sm, query.new_zeros(1, dtype=torch.long))
+            row0 = query.new_zeros(1, dtype=torch.long)  # the prefill call is one flex batch row
+            op = attend(qp, self.dense_mask(meta, mask_mod, Hq, decode=False), pre_sm, row0)
             out = op[0].transpose(0, 1)[meta.token_row]
         else:
             out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)
