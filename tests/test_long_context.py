@@ -1,0 +1,46 @@
+"""A long prompt through the engine (issue 24's correctness): thousands of tokens prefilled over many
+chunks, a sliding-window model, the prefix cache on; greedy tokens and their logprobs against
+transformers' own forward of a tiny random checkpoint."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from flexengine import LLM, SamplingParams
+from test_models_parity import TINY, assert_matches_hf, random_prompt
+
+WINDOW = 48  # a few pages of 16: far context is hidden, so a wrong window shows
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    config = transformers.MistralConfig(**{**TINY, "max_position_embeddings": 4096}, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                                        architectures=["MistralForCausalLM"])
+    torch.manual_seed(0)
+    hf = transformers.MistralForCausalLM._from_config(config, attn_implementation="eager").eval()
+    path = tmp_path_factory.mktemp("long") / "mistral"
+    hf.save_pretrained(path)
+    return hf, str(path)
+
+
+def generate(llm, prompt, n=4):
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+
+
+def test_long_prompt_in_many_chunks_with_a_window_and_the_prefix_cache(mistral):
+    hf, path = mistral
+    llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=256, enable_prefix_caching=True,
+              num_kv_blocks=400)
+    assert llm.llm_engine.max_model_len == 4096  # the model's own context (under the engine's cap)
+    prompt = random_prompt(2500, seed=1)  # ten chunks of 256
+    assert_matches_hf(hf, prompt, *generate(llm, prompt))
+    # A second prompt sharing 2,000 tokens: its first pages come from the prefix cache.
+    bm = llm.llm_engine.block_manager
+    hits = bm.num_hits
+    other = prompt[:2000] + random_prompt(300, seed=2)
+    assert_matches_hf(hf, other, *generate(llm, other))
+    assert bm.num_hits - hits >= 2000 // 16 - 1
