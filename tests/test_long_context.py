@@ -44,3 +44,17 @@ def test_long_prompt_in_many_chunks_with_a_window_and_the_prefix_cache(mistral):
     other = prompt[:2000] + random_prompt(300, seed=2)
     assert_matches_hf(hf, other, *generate(llm, other))
     assert bm.num_hits - hits >= 2000 // 16 - 1
+
+
+def test_a_cache_smaller_than_the_context_caps_max_model_len_and_says_so(mistral, caplog):
+    _, path = mistral
+    with caplog.at_level("WARNING", logger="flexengine"):
+        llm = LLM(path, dtype="float32", block_size=16, num_kv_blocks=40)
+    assert llm.llm_engine.max_model_len == 640
+    said = [r.getMessage() for r in caplog.records if "max_model_len is 640" in r.getMessage()]
+    assert said and "4096" in said[0] and "num_kv_blocks" in said[0], caplog.text
+    free = llm.llm_engine.num_free_blocks()
+    with pytest.raises(ValueError, match="max_model_len=640"):
+        llm.generate([{"prompt_token_ids": random_prompt(700, seed=3)}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.llm_engine.num_free_blocks() == free  # the refused request holds no page
+    assert len(generate(llm, random_prompt(600, seed=4), n=2)[0]) == 2  # and the engine still serves

@@ -172,8 +172,14 @@ class ModelRunner:
                                  f"one request of max_model_len={asked}: it needs {need} blocks (raise num_kv_blocks "
                                  f"or gpu_memory_utilization, or lower max_model_len)")
             return asked
-        # Unasked, serve what both the model and the cache can hold.
-        return min(self.wanted_max_model_len(), capacity)
+        # Unasked, serve what both the model and the cache can hold, and say so when the cache decides.
+        wanted = self.wanted_max_model_len()
+        if capacity < wanted:
+            logger.warning("max_model_len is %d, what the KV cache holds (%d blocks of %d tokens); the model's "
+                           "own is %s. Raise num_kv_blocks or gpu_memory_utilization (--num-kv-blocks, "
+                           "--gpu-memory-utilization) for longer requests", capacity, self.num_blocks,
+                           self.block_size, model_max)
+        return min(wanted, capacity)
 
     def measure_num_blocks(self) -> int:
         """CPU: a fixed budget (CPU_KV_CACHE_BYTES, at most CPU_MAX_KV_TOKENS tokens). GPU: what is left of
