@@ -7,6 +7,7 @@ import itertools
 
 from tqdm.auto import tqdm
 
+from .chat import chat_prompt_ids, conversations
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -64,6 +65,20 @@ class LLM:
                 engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them,
+        through the checkpoint's chat template (or `chat_template`), as vLLM's LLM.chat. One output per
+        conversation, in order; each output's `prompt` is the templated text."""
+        tokenizer = self.get_tokenizer()
+        prompts = [chat_prompt_ids(tokenizer, conv, chat_template=chat_template,
+                                   add_generation_prompt=add_generation_prompt) for conv in conversations(messages)]
+        outputs = self.generate([{"prompt_token_ids": ids} for _, ids in prompts], sampling_params, use_tqdm)
+        for out, (text, _) in zip(outputs, prompts):
+            out.prompt = text
+        return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine, results = self.llm_engine, {}

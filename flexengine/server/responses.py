@@ -11,6 +11,7 @@ import json
 import time
 from typing import AsyncIterator
 
+from flexengine.chat import chat_prompt_ids
 from flexengine.outputs import Logprob, RequestOutput
 from flexengine.server.async_engine import RequestGroup
 from flexengine.server.protocol import (
@@ -31,17 +32,8 @@ def chunk_head(request_id: str, object_: str, created: int, model: str) -> str:
 
 def apply_chat_template(tokenizer, body: ChatCompletionRequest) -> list[int]:
     """Prompt token ids from the tokenizer's chat template; ValueError when there is none or it fails."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-    from jinja2 import TemplateError
     messages = [m.as_template_input() for m in body.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=body.add_generation_prompt)
-    except TemplateError as e:  # e.g. a template that insists on alternating roles
-        raise ValueError(f"chat template rejected the messages: {e}") from e
-    # The template already wrote any BOS; do not let the tokenizer add another.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return chat_prompt_ids(tokenizer, messages, add_generation_prompt=body.add_generation_prompt)[1]
 
 
 def usage_of(finals: list[RequestOutput]) -> UsageInfo:
