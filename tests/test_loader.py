@@ -183,3 +183,23 @@ def test_text_decoded_at_the_end_equals_streamed_text(prompt, output):
     at_length.ids += output
     assert at_stop.emitted_by_add() == text
     assert at_length.flush() == text + streamed.flush()
+
+
+@pytest.mark.parametrize("kept", ["lm_head.weight", "model.embed_tokens.weight"])
+def test_tied_checkpoint_with_either_name(tmp_path, kept):
+    """A tied checkpoint may store the shared matrix under either name (safetensors' save_model keeps
+    lm_head.weight); both load, and the model gives transformers' logits."""
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**CONFIG, tie_word_embeddings=True)).eval()
+    hf.save_pretrained(str(tmp_path))
+    shared = hf.model.embed_tokens.weight.detach().clone()
+    rewrite_weights(tmp_path, lambda t: (t.pop("lm_head.weight", None), t.pop("model.embed_tokens.weight", None),
+                                         t.update({kept: shared})))
+    model, _, _ = load_model(str(tmp_path))
+    assert torch.equal(model.model.embed_tokens.weight, shared)
+    from flexengine import LLM, SamplingParams
+    ids = [5, 17, 99, 3]
+    out = LLM(str(tmp_path), num_kv_blocks=16, block_size=16).generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False, attention_mask=torch.ones(1, 4))
+    assert out[0].outputs[0].token_ids == ref[0, 4:].tolist()

@@ -145,6 +145,16 @@ def is_harmless_extra(name: str, model) -> bool:
     return name.endswith(HARMLESS_SUFFIXES) or (tied and name == "lm_head.weight")
 
 
+def tied_renames(layout: dict[str, TensorTarget], headers: dict, model) -> dict[str, str]:
+    """{checkpoint name: layout name} for a tied checkpoint that stores the shared matrix only as
+    lm_head.weight (what safetensors' save_model keeps): it is the embedding."""
+    tied = getattr(getattr(model, "spec", None), "tie_word_embeddings", False)
+    embed = next((n for n in layout if n.endswith("embed_tokens.weight")), None)
+    if tied and embed and embed not in headers and "lm_head.weight" in headers:
+        return {"lm_head.weight": embed}
+    return {}
+
+
 def check_tensors(layout: dict[str, TensorTarget], headers: dict, model) -> None:
     unexpected = [n for n in headers if n not in layout and not is_harmless_extra(n, model)]
     if unexpected:
@@ -172,14 +182,16 @@ def build_model(cls, hf_config, dtype: torch.dtype, device) -> torch.nn.Module:
 def load_weights(model: torch.nn.Module, files: list[str], headers: dict | None = None) -> None:
     """Check every name and shape first (nothing is copied into a half-valid model), then copy."""
     layout = checkpoint_layout(model)
-    check_tensors(layout, headers if headers is not None else read_headers(files), model)
+    headers = headers if headers is not None else read_headers(files)
+    renames = tied_renames(layout, headers, model)
+    check_tensors(layout, {renames.get(n, n): h for n, h in headers.items()}, model)
     params = dict(model.named_parameters())
     for file in files:
         with open_safetensors(file) as f:
             for name in f.keys():
-                if name not in layout:
+                if renames.get(name, name) not in layout:
                     continue
-                target = layout[name]
+                target = layout[renames.get(name, name)]
                 dest = params[target.param]
                 dest = dest[target.rows] if target.rows is not None else dest
                 dest.copy_(f.get_tensor(name))
