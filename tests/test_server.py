@@ -279,6 +279,24 @@ def test_too_long_prompt_is_400(base_url, client):
     assert httpx.get(base_url + "/health").status_code == 200  # still serving
 
 
+def test_max_tokens_past_the_context_is_400_naming_both_numbers(base_url, client):
+    """vLLM's answer, not a request that runs until the context is full; the server keeps serving."""
+    max_model_len = client.models.list().data[0].max_model_len
+    for path, body in (("/v1/completions", {"prompt": "hello"}),
+                       ("/v1/completions", {"prompt": [1, 2, 3]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]})):
+        response = httpx.post(base_url + path, json={"model": MODEL, "max_tokens": max_model_len, **body},
+                              headers=auth())
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "max_tokens" and error["type"] == "invalid_request_error"
+        assert f"maximum context length is {max_model_len} tokens" in error["message"]
+        assert f"{max_model_len} in the completion" in error["message"], error["message"]
+    ok = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=max_model_len - 3, temperature=0,
+                                   extra_body={"stop_token_ids": list(range(259))})  # fits exactly; stops at once
+    assert ok.choices[0].finish_reason == "stop"
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)

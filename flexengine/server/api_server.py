@@ -147,6 +147,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except ValueError as e:
             raise ApiError(400, str(e), param=field_named_in(str(e), body, None)) from e
 
+    def check_context(prompt_ids: list[list[int]], max_tokens: int | None, param: str, what: str) -> None:
+        """vLLM's 400 for a request whose prompt fits but whose prompt and max_tokens together pass
+        max_model_len, instead of a request that runs until the context is full (a prompt that does not
+        fit is the engine's 400, naming the prompt)."""
+        for ids in prompt_ids:
+            if max_tokens is not None and len(ids) <= max_model_len < len(ids) + max_tokens:
+                raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                               f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {what}, {max_tokens} "
+                               f"in the completion). Please reduce the length of the {what} or completion.",
+                               param=param)
+
     async def submit(prompts: list, params, body, prompt_param: str) -> RequestGroup:
         try:
             group = engine.add_requests(prompts, params)
@@ -192,6 +203,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         prompts = body.prompt_list()
         if not prompts:
             raise ApiError(400, "prompt must not be empty", param="prompt")
+        if body.max_tokens is not None and tokenizer is not None:  # tokenized once, here, to check the length
+            prompts = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p)} if isinstance(p, str) else p
+                       for p in prompts]
+            check_context([p["prompt_token_ids"] for p in prompts], body.max_tokens, "max_tokens", "prompt")
         group = await submit(prompts, params, body, "prompt")
         writer = responses.CompletionWriter(random_id("cmpl"), model_name, body.n, body.logprobs, tokenizer)
         if body.stream:
@@ -211,6 +226,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise ApiError(400, str(e), param="messages") from e
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
+        check_context([prompt_ids], body.max_tokens, "max_tokens", "messages")
         # Without max_tokens a chat reply may use the rest of the context (vLLM's default).
         params = sampling_params(body, max(1, max_model_len - len(prompt_ids)), body.engine_logprobs())
         group = await submit([{"prompt_token_ids": prompt_ids}], params, body, "messages")
