@@ -1,7 +1,8 @@
 """`flexengine generate PROMPT...`: generate text with the offline engine.
 
 One prompt streams its text as it is generated; several show a progress bar, then each result.
---json prints one JSON object per prompt (a list) instead.
+--json prints one JSON object per prompt (a list) instead. --chat sends each prompt as a user message
+through the model's chat template (or --chat-template FILE), as LLM.chat does.
 """
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeat for several)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of text")
+    parser.add_argument("--chat", action="store_true",
+                        help="send each prompt as a user message through the model's chat template")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="with --chat: a Jinja chat template file instead of the model's own")
     parser.add_argument("--dtype", default="auto", help="weights and KV dtype: auto, float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     parser.add_argument("--attention-backend", default=None, choices=["flex", "flash", "reference", "auto"],
@@ -50,19 +55,43 @@ def main(args: argparse.Namespace) -> int:
               enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
               block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization)
+    prompts = args.prompts
+    if args.chat or args.chat_template:
+        prompts = chat_prompts(llm, prompts, args.chat_template)
     if args.json:
-        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         print(json.dumps([{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
                            "finish_reason": o.outputs[0].finish_reason} for o in outputs], indent=2))
-    elif len(args.prompts) == 1:
-        stream(llm, args.prompts[0], params)
+    elif len(prompts) == 1:
+        stream(llm, prompts[0], params)
     else:
-        for out in llm.generate(args.prompts, params, use_tqdm=True):
+        for out in llm.generate(prompts, params, use_tqdm=True):
             print(f"--- {out.prompt!r}\n{out.outputs[0].text}")
     return 0
 
 
-def stream(llm, prompt: str, params) -> None:
+def chat_prompts(llm, texts: list[str], template_file: str | None) -> list[dict]:
+    """Each text as a one-message conversation, through the chat template: {"prompt", "prompt_token_ids"}."""
+    from .chat import chat_prompt_ids
+    template = None
+    if template_file is not None:
+        try:
+            with open(template_file, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise SystemExit(f"flexengine generate: cannot read --chat-template {template_file}: {e.strerror}")
+    prompts = []
+    for text in texts:
+        try:
+            templated, ids = chat_prompt_ids(llm.get_tokenizer(), [{"role": "user", "content": text}],
+                                             chat_template=template)
+        except ValueError as e:
+            raise SystemExit(f"flexengine generate --chat: {e}")
+        prompts.append({"prompt": templated, "prompt_token_ids": ids})
+    return prompts
+
+
+def stream(llm, prompt: str | dict, params) -> None:
     """Step the engine by hand and print each new piece of text as soon as it exists."""
     engine = llm.llm_engine
     engine.add_request("cli", prompt, params)

@@ -30,6 +30,23 @@ def test_generate_json_several_prompts(capsys):
                for r in results)
 
 
+def test_generate_chat_uses_the_template_as_llm_chat_does(capsys, tmp_path):
+    assert main(["generate", "Hi there", "--chat", "--max-tokens", "4", "--temperature", "0", "--json",
+                 "--num-kv-blocks", "16"]) == 0
+    [result] = json.loads(capsys.readouterr().out)
+    [expected] = LLM(num_kv_blocks=16).chat([{"role": "user", "content": "Hi there"}],
+                                            SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert result["prompt"] == expected.prompt != "Hi there" and "Hi there" in result["prompt"]
+    assert result["token_ids"] == expected.outputs[0].token_ids
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert main(["generate", "yo", "--chat-template", str(template), "--max-tokens", "2", "--json",
+                 "--num-kv-blocks", "16"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["prompt"] == "<user>yo"
+    with pytest.raises(SystemExit, match="cannot read --chat-template"):
+        main(["generate", "yo", "--chat-template", str(tmp_path / "missing.jinja"), "--num-kv-blocks", "16"])
+
+
 def test_generate_several_prompts_prints_each(capsys):
     assert main(["generate", "a", "b", "--max-tokens", "2", "--temperature", "0", "--num-kv-blocks", "16"]) == 0
     out = capsys.readouterr().out

@@ -93,7 +93,7 @@ class EventStreamResponse(StreamingResponse):
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              model_root: str | None = None) -> FastAPI:
+              model_root: str | None = None, chat_template: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
@@ -221,7 +221,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         try:
-            prompt_ids = responses.apply_chat_template(tokenizer, body)
+            prompt_ids = responses.apply_chat_template(tokenizer, body, chat_template)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from e
         if body.max_completion_tokens is not None:
@@ -274,6 +274,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="requests allowed to wait beyond --max-num-seqs; past that the server answers 429")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template file for /v1/chat/completions instead of the model's own")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's access and error log level")
@@ -310,19 +312,31 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(**{"async_scheduling": None, **given})  # the server's default: on for a GPU
 
 
+def read_chat_template(path: str | None) -> str | None:
+    """--chat-template FILE's text, read before the engine starts so a bad path fails at once."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise SystemExit(f"flexengine serve: cannot read --chat-template {path}: {e.strerror}") from e
+
+
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     api_key = args.api_key or env_api_key()
     if args.max_waiting_requests < 0:
         raise SystemExit("--max-waiting-requests must be >= 0")
+    chat_template = read_chat_template(args.chat_template)
     config = engine_config_from_args(args)
     log_to_stderr()
     process = EngineProcess.start(config)  # builds (and on a GPU warms up) the engine before we listen
     try:
         engine = AsyncEngine(process, config.max_num_seqs, args.max_waiting_requests)
         model_name = args.served_model_name or args.model or "default"
-        app = build_app(engine, model_name, api_key, model_root=args.model)
+        app = build_app(engine, model_name, api_key, model_root=args.model, chat_template=chat_template)
         freeze_startup_heap()
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:

@@ -30,10 +30,12 @@ def chunk_head(request_id: str, object_: str, created: int, model: str) -> str:
     return head[:-1] + ',"choices":['
 
 
-def apply_chat_template(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """Prompt token ids from the tokenizer's chat template; ValueError when there is none or it fails."""
+def apply_chat_template(tokenizer, body: ChatCompletionRequest, chat_template: str | None = None) -> list[int]:
+    """Prompt token ids from `chat_template` (serve --chat-template) or the tokenizer's; ValueError when
+    there is none or it fails."""
     messages = [m.as_template_input() for m in body.messages]
-    return chat_prompt_ids(tokenizer, messages, add_generation_prompt=body.add_generation_prompt)[1]
+    return chat_prompt_ids(tokenizer, messages, chat_template=chat_template,
+                           add_generation_prompt=body.add_generation_prompt)[1]
 
 
 def usage_of(finals: list[RequestOutput]) -> UsageInfo:
