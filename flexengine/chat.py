@@ -45,3 +45,14 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], *, chat_template: str |
         raise ValueError(f"chat template rejected the messages: {e}") from e
     # The template already wrote any BOS; do not let the tokenizer add another.
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def read_chat_template(path: str | None, command: str) -> str | None:
+    """--chat-template FILE's text (None without one); a path that cannot be read ends `command` at once."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise SystemExit(f"flexengine {command}: cannot read --chat-template {path}: {e.strerror}") from e

@@ -72,14 +72,8 @@ def main(args: argparse.Namespace) -> int:
 
 def chat_prompts(llm, texts: list[str], template_file: str | None) -> list[dict]:
     """Each text as a one-message conversation, through the chat template: {"prompt", "prompt_token_ids"}."""
-    from .chat import chat_prompt_ids
-    template = None
-    if template_file is not None:
-        try:
-            with open(template_file, encoding="utf-8") as f:
-                template = f.read()
-        except OSError as e:
-            raise SystemExit(f"flexengine generate: cannot read --chat-template {template_file}: {e.strerror}")
+    from .chat import chat_prompt_ids, read_chat_template
+    template = read_chat_template(template_file, "generate")
     prompts = []
     for text in texts:
         try:

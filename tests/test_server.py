@@ -450,14 +450,15 @@ def test_coalesced_deltas_add_up_to_the_token_by_token_stream(texts, reason, bat
 def test_serve_chat_template_replaces_the_models_own(tmp_path):
     import argparse
 
-    from flexengine.server.api_server import add_arguments, main, read_chat_template
+    from flexengine.chat import read_chat_template
+    from flexengine.server.api_server import add_arguments, main
     from flexengine.server.protocol import ChatCompletionRequest
     from flexengine.tokenizer import build_byte_tokenizer
     tok = build_byte_tokenizer()
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hey"}], model=MODEL)
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
-    ids = responses.apply_chat_template(tok, body, read_chat_template(str(template)))
+    ids = responses.apply_chat_template(tok, body, read_chat_template(str(template), "serve"))
     assert tok.decode(ids) == "[user]hey"
     assert tok.decode(responses.apply_chat_template(tok, body)) != "[user]hey"  # the model's own otherwise
     parser = argparse.ArgumentParser()

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flexengine.chat import read_chat_template
 from flexengine.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestGroup
 from flexengine.server.engine_process import EngineProcess, freeze_startup_heap, log_to_stderr
 from flexengine.server.protocol import (
@@ -312,24 +313,13 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(**{"async_scheduling": None, **given})  # the server's default: on for a GPU
 
 
-def read_chat_template(path: str | None) -> str | None:
-    """--chat-template FILE's text, read before the engine starts so a bad path fails at once."""
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise SystemExit(f"flexengine serve: cannot read --chat-template {path}: {e.strerror}") from e
-
-
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     api_key = args.api_key or env_api_key()
     if args.max_waiting_requests < 0:
         raise SystemExit("--max-waiting-requests must be >= 0")
-    chat_template = read_chat_template(args.chat_template)
+    chat_template = read_chat_template(args.chat_template, "serve")  # before the engine starts: fail at once
     config = engine_config_from_args(args)
     log_to_stderr()
     process = EngineProcess.start(config)  # builds (and on a GPU warms up) the engine before we listen
