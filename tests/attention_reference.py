@@ -38,6 +38,11 @@ def dense_paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
     return out
 
 
+def as_plain(mod):
+    """A tensor mod evaluated on Python ints, for user mods that have no separate plain spelling."""
+    return lambda b, h, q, kv: bool(mod(torch.tensor(b), torch.tensor(h), torch.tensor(q), torch.tensor(kv)))
+
+
 PLAIN_MASKS = {
     "causal": lambda b, h, q, kv: kv <= q,
     "bidirectional": lambda b, h, q, kv: True,

@@ -16,7 +16,7 @@ from attn_gym.mods import generate_alibi_bias, generate_sandwich_bias, generate_
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from attention_reference import dense_paged_attention, make_paged_batch
+from attention_reference import PLAIN_MASKS, as_plain, dense_paged_attention, make_paged_batch
 from flexengine import LLM, SamplingParams, masks
 from flexengine.attention import paged_attention
 from flexengine.attention.backends.flex import FlexBackend
@@ -34,11 +34,6 @@ def strict_mask(num_heads: int, device="cpu"):
         bad = (L < 1) | (h < 0) | (h >= num_heads) | (q_idx < 0) | (q_idx >= L) | (kv_idx < 0) | (kv_idx >= L)
         return guard[bad.long()] | (kv_idx <= q_idx)
     return strict
-
-
-def plain(mod):
-    """The mod itself, evaluated on Python ints one pair at a time, for the dense reference."""
-    return lambda b, h, q, kv: bool(mod(*(torch.tensor(x) for x in (b, h, q, kv))))
 
 
 def plain_score(mod):
@@ -106,11 +101,11 @@ def run_gym_case(case, backend, device="cpu", dtype=torch.float32):
     if mask_kind == "strict":
         mask = strict_mask(Hq, device)
         params = {"seq_len": torch.tensor(seq_lens, device=device)}
-        reference_mask = PLAIN_CAUSAL
+        reference_mask = PLAIN_MASKS["causal"]
     else:  # the same mod twice: on the device for the engine, on the CPU for the reference's Python ints
         mask_seed = rng.random()
         mask = gym_mask(mask_kind, max_len, Hq, random.Random(mask_seed), device)
-        reference_mask = plain(gym_mask(mask_kind, max_len, Hq, random.Random(mask_seed)))
+        reference_mask = as_plain(gym_mask(mask_kind, max_len, Hq, random.Random(mask_seed)))
     score = gym_score(score_kind, max_len, Hq, device)
     cpu_score = gym_score(score_kind, max_len, Hq)
     out = paged_attention(q, kc, vc, torch.tensor(tables, dtype=torch.int32, device=device),
@@ -119,9 +114,6 @@ def run_gym_case(case, backend, device="cpu", dtype=torch.float32):
     ref = dense_paged_attention(q, kc, vc, tables, seq_lens, query_lens, reference_mask,
                                 plain_score(cpu_score) if cpu_score else None)
     return out.double().cpu(), ref
-
-
-PLAIN_CAUSAL = lambda b, h, q, kv: kv <= q  # noqa: E731
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -156,7 +148,7 @@ def test_padded_rows_and_tiles_never_reach_the_mod(splits):
     pad_q = torch.cat([q, torch.randn(2, 4, 16)])
     sandwich = generate_sandwich_bias(4, max(seq_lens), d_bar=8)
     out = backend.forward(pad_q, kc, vc, meta, strict_mask(4), sandwich, 0.25)[: len(q)]
-    ref = dense_paged_attention(q, kc, vc, tables, seq_lens, query_lens, PLAIN_CAUSAL, plain_score(sandwich),
+    ref = dense_paged_attention(q, kc, vc, tables, seq_lens, query_lens, PLAIN_MASKS["causal"], plain_score(sandwich),
                                 scale=0.25)
     torch.testing.assert_close(out.double(), ref, atol=3e-4, rtol=3e-4)
 

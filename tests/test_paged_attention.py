@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attention_reference import PLAIN_MASKS, dense_paged_attention, make_paged_batch
+from attention_reference import PLAIN_MASKS, as_plain, dense_paged_attention, make_paged_batch
 from flexengine import masks
 from flexengine.attention import paged_attention
 
@@ -20,11 +20,6 @@ def stripes(b, h, q_idx, kv_idx):
 
 def sink_window(b, h, q_idx, kv_idx):  # a plain callable, never registered
     return (kv_idx <= q_idx) & ((kv_idx < 2) | (q_idx - kv_idx < 5))
-
-
-def as_plain(mod):
-    """A tensor mod evaluated on Python ints, for user mods that have no separate plain spelling."""
-    return lambda b, h, q, kv: bool(mod(torch.tensor(b), torch.tensor(h), torch.tensor(q), torch.tensor(kv)))
 
 
 @st.composite

@@ -68,10 +68,10 @@ def _logical_kv(meta: AttentionMetadata, req, kv_idx, listed_only: bool):
 
 
 def _query(meta: AttentionMetadata, decode: bool, b, q_idx):
-    """The request and logical query position of a flex (batch row, query row)."""
+    """The request and logical query position of a flex (batch row, query row); a decode row's position
+    is its request's last, which _live_coords sets once it has made the request a live one."""
     if decode:
-        req = meta.decode_req[b]
-        return req, meta.seq_lens[req] - 1
+        return meta.decode_req[b], None
     return meta.prefill_req[q_idx], meta.prefill_pos[q_idx]
 
 
