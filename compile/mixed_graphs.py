@@ -22,13 +22,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention.metadata import LAYOUT_FIELDS, Q_TILE, StepLayout, metadata_on_device
+from ..attention.metadata import KV_TILE, LAYOUT_FIELDS, Q_TILE, StepLayout, metadata_on_device
 
 logger = logging.getLogger(__name__)
 
 # Prefill tiles the largest mixed graph holds: 2,048 prompt tokens, a full step at the default token
 # budget (the scheduler cuts chunks on whole tiles, so such a step has at most 16).
 MAX_GRAPH_TILES = 16
+# Workspace KV tiles per prefill tile a mixed graph holds: each key is captured for its tiles' own
+# contexts at start-up, and at most twice, four and eight times that when a step first needs it.
+WORKSPACE_PER_TILE = 8
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,11 @@ class MixedKey:
     num_decode: int  # decode requests, padded to a decode bucket
     splits: int      # split-KV rows per decode request
     num_tiles: int   # prefill tiles, padded to a power of two
+    workspace_pages: int  # pages gathered into the prefill workspace (a power of two of KV tiles)
 
     @classmethod
     def of(cls, layout: StepLayout) -> "MixedKey":
-        return cls(layout.num_decode, layout.decode_splits, layout.num_tiles)
+        return cls(layout.num_decode, layout.decode_splits, layout.num_tiles, len(layout.ws_req))
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +56,9 @@ class MixedKey:
         prefill = self.num_tiles * Q_TILE
         return {"decode_req": rows, "tile_req": tiles, "tile_q_lo": tiles, "tile_q_hi": tiles, "tile_valid": tiles,
                 "tile_split": tiles, "prefill_req": prefill, "prefill_pos": prefill, "prefill_src": prefill,
-                "token_row": self.num_tokens + 1, "decode_src": rows, "decode_dst": self.num_decode}
+                "token_row": self.num_tokens + 1, "decode_src": rows, "decode_dst": self.num_decode,
+                "ws_req": self.workspace_pages, "ws_page": self.workspace_pages, "prefill_kv0": prefill,
+                "tile_kv0": tiles}
 
 
 class MixedBuffers:
@@ -106,7 +112,10 @@ class MixedGraphRunner:
         self.capture_seconds = 0.0
 
     def fits(self, layout: StepLayout) -> bool:
-        return 0 < layout.num_tiles <= self.max_tiles
+        """Up to max_tiles prefill tiles, over contexts of up to WORKSPACE_PER_TILE tiles per tile: a step
+        that prefills over a longer cached prefix has long kernels, and runs without a graph."""
+        ws_tiles = len(layout.ws_req) * self.block_size // KV_TILE
+        return 0 < layout.num_tiles <= self.max_tiles and ws_tiles <= WORKSPACE_PER_TILE * layout.num_tiles
 
     def forward(self, key: MixedKey) -> torch.Tensor:
         """The step over the key's static buffers: metadata on the device, then the model."""

@@ -2,7 +2,8 @@
 # One device call: install, then the named stages in order, under one time budget (a stage that no
 # longer fits is skipped, and says so). Logs land in $OUT (or ./bench_out); a summary comes last.
 #   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
-# Stages: tests (pytest -m gpu), attention (kernel table), compare (flexengine vs transformers
+# Stages: tests (pytest -m gpu), tests_attention (the attention kernels' GPU tests), attention (kernel
+# table), attention_window (the same with sliding_window(1024) + softcap(30)), compare (flexengine vs transformers
 # generate_batch, 256 x 256 x 256), prompt_heavy (the same, 64 x 2048 x 16), long (16 x 6144 x 256), throughput, latency (batch 1), eager (throughput and latency with
 # --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py, with
 # PROFILE_ARGS), fa4 (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU
@@ -54,7 +55,12 @@ e2e() {
 for stage in ${*:-tests attention compare latency}; do
   case $stage in
     tests) step gpu_tests 520 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short tests ;;
+    tests_attention) step gpu_tests_attention 300 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short \
+           tests/test_paged_attention.py tests/test_gym_mods.py tests/test_metadata.py tests/test_custom_attention.py \
+           tests/test_cuda_graphs.py ;;  # the kernels' correctness only (the whole GPU suite: tests)
     attention) step attention 300 python3 -m flexengine.benchmarks.attention --json "$OUT/attention.json" ;;
+    attention_window) step attention_window 300 python3 -m flexengine.benchmarks.attention --mask sliding_window:1024 \
+           --score softcap:30 --json "$OUT/attention_window.json" ;;  # issue 15: within 15% of causal
     compare) e2e compare_transformers ;;
     prompt_heavy) e2e compare_prompt_heavy ;;  # 64 x 2048 in x 16 out against transformers
     long) e2e compare_long ;;                  # 16 x 6144 in x 256 out against transformers

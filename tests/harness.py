@@ -51,7 +51,7 @@ class PagedRunner:
         req = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(query_lens)).to(self.device)
         slots = tables[req, positions // P].long() * P + positions % P
         meta = build_metadata(tables, torch.tensor(seq_lens, dtype=torch.int32, device=self.device), slots,
-                              plan_layout(query_lens, seq_lens), P, self.num_blocks)
+                              plan_layout(query_lens, seq_lens, block_size=P), P, self.num_blocks)
         meta.backend = self.backend
         self.backend.prepare(meta, self.mods)
         self.last_meta = meta  # for tests that inspect what the step built

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from attention_reference import PLAIN_MASKS
 from flexengine import masks
-from flexengine.attention.metadata import Q_TILE, build_metadata, build_phys_to_logical, page_lists, plan_layout
+from flexengine.attention.metadata import (KV_TILE, Q_TILE, build_metadata, build_phys_to_logical, page_lists,
+                                           plan_layout, workspace_lists)
 
 
 def make_step(rng, reqs, P, spare=2):
@@ -23,7 +24,7 @@ def make_step(rng, reqs, P, spare=2):
     for n in pages:
         tables.append(order[used:used + n] + [rng.randrange(NB) for _ in range(width - n)])
         used += n
-    layout = plan_layout([n for _, n in reqs], seq_lens)
+    layout = plan_layout([n for _, n in reqs], seq_lens, block_size=P, pad_workspace_to=rng.choice([0, 1000]))
     meta = build_metadata(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
                           torch.empty(0, dtype=torch.long), layout, P, NB)
     return meta, tables
@@ -80,27 +81,47 @@ CASE_LIST = [
 CASES = st.sampled_from(CASE_LIST)
 
 
+def check_lists(t, b, L, plain, lay, own, partial, full, B):
+    """Tile t's lists cover exactly the mask: `own[j]` is the listed index of logical block j (B tokens)."""
+    assert set(partial) <= set(own) and set(full) <= set(own), "a block of another request appears"
+    assert not set(partial) & set(full) and len(set(partial)) == len(partial) and len(set(full)) == len(full)
+    qs = range(int(lay.tile_q_lo[t]), int(lay.tile_q_hi[t]) + 1)
+    for lb, block in enumerate(own):
+        kvs = range(lb * B, min((lb + 1) * B, L))
+        allowed = [plain(b, 0, q, kv) for q in qs for kv in kvs]
+        if any(allowed):
+            assert block in partial or block in full, f"tile {t}: allowed logical block {lb} is missing"
+        if block in full:
+            assert all(allowed) and len(kvs) == B, f"tile {t}: block {lb} marked full but is not"
+
+
 def check_page_lists(rng, P, case, reqs):
+    """Decode rows list the request's own pages; prefill tiles list the request's own KV tiles of the
+    workspace, into which its pages are gathered in logical order."""
     mask, plain = case
     meta, tables = make_step(rng, reqs, P)
-    kv_num, kv_idx, full_num, full_idx = page_lists(meta, masks.get_mask_mod(mask), [])
+    mask = masks.get_mask_mod(mask)
     lay = meta.layout
-    for t in range(lay.num_decode + lay.num_tiles):
+    kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask, [])
+    for t in range(lay.num_decode):
         b = int(lay.tile_req[t])
         L = reqs[b][0]
-        own = tables[b][: (L + P - 1) // P]
-        partial = [int(x) for x in kv_idx[t, : kv_num[t]]]
-        full = [int(x) for x in full_idx[t, : full_num[t]]]
-        assert set(partial) <= set(own) and set(full) <= set(own), "a page of another request appears"
-        assert not set(partial) & set(full) and len(set(partial)) == len(partial) and len(set(full)) == len(full)
-        qs = range(int(lay.tile_q_lo[t]), int(lay.tile_q_hi[t]) + 1)
-        for lp, page in enumerate(own):
-            kvs = range(lp * P, min((lp + 1) * P, L))
-            allowed = [plain(b, 0, q, kv) for q in qs for kv in kvs]
-            if any(allowed):
-                assert page in partial or page in full, f"tile {t}: allowed logical page {lp} is missing"
-            if page in full:
-                assert all(allowed) and len(kvs) == P, f"tile {t}: page {lp} marked full but is not"
+        check_lists(t, b, L, plain, lay, tables[b][: (L + P - 1) // P], [int(x) for x in kv_idx[t, : kv_num[t]]],
+                    [int(x) for x in full_idx[t, : full_num[t]]], P)
+    ws_src = meta.ws_src.tolist()
+    cap = -(-len(ws_src) * P // KV_TILE)
+    kv_num, kv_idx, full_num, full_idx = workspace_lists(meta, mask, [], cap)
+    for i in range(lay.num_tiles):
+        t = lay.num_decode + i
+        b = int(lay.tile_req[t])
+        L = reqs[b][0]
+        kv0 = int(lay.tile_kv0[t])
+        assert kv0 % KV_TILE == 0
+        for pos in range(L):  # the workspace holds the request's context from kv0, in order
+            assert ws_src[(kv0 + pos) // P] == tables[b][pos // P]
+        own = list(range(kv0 // KV_TILE, kv0 // KV_TILE + -(-L // KV_TILE)))
+        check_lists(t, b, L, plain, lay, own, [int(x) for x in kv_idx[i, : kv_num[i]]],
+                    [int(x) for x in full_idx[i, : full_num[i]]], KV_TILE)
 
 
 @settings(max_examples=80, deadline=None)

@@ -110,7 +110,7 @@ def test_compiled_flex_on_cpu_honours_block_lists():
     backend = flex_backend.FlexBackend(compile=True)
     from flexengine.attention.metadata import build_metadata, plan_layout
     meta = build_metadata(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
-                          torch.empty(0, dtype=torch.long), plan_layout(query_lens, seq_lens), 16, kc.shape[0])
+                          torch.empty(0, dtype=torch.long), plan_layout(query_lens, seq_lens, block_size=16), 16, kc.shape[0])
     meta.backend = backend
     out = backend.forward(q, kc, vc, meta, window, None, 0.25)
     ref = dense_paged_attention(q, kc, vc, tables, seq_lens, query_lens, PLAIN_MASKS["sliding_window"](20), scale=0.25)

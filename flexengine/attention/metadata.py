@@ -9,6 +9,12 @@ Layout (chosen by measurement, see docs/benchmarks.md and DESIGN.md's baselines)
 - Prefill rows are packed into 128-query tiles that never mix requests: `[1, Hq, Tp * 128, D]`.
   Padding is at most one tile per prefilling request, so memory grows with the step's tokens, not
   with requests x longest prompt (one-row-per-request prefill would pad every row to the longest).
+- Prefill tiles do not read the pool. The pages of each prefilling request are first copied, in
+  logical order, into a contiguous workspace (`plan_layout(block_size=...)` lays it out), each request
+  starting on a KV_TILE boundary: the kernel then reads 128-token KV blocks whatever the page size
+  (16-token pages capped its tile at 16), the blocks of a tile are a contiguous range computed
+  from the request's offset (no block-table gathers, tables sized by the workspace, not the pool),
+  and a block wholly inside the mask's all-true range is a full block.
 - The physical->logical page map is 1-D `[num_blocks]`: a physical page has one logical index even
   when the prefix cache shares it, so no `[requests, pool]` map is needed.
 
@@ -18,6 +24,7 @@ Everything shape-determining (how many decode rows and prefill tiles) is compute
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +33,18 @@ import torch
 from ..masks import kv_bounds_of
 
 Q_TILE = 128  # flex q block for prefill tiles; one tile never holds two requests
+KV_TILE = 128  # flex kv block of the prefill call, over the workspace
+
+
+def workspace_align(block_size: int) -> int:
+    """Tokens a request's workspace span is rounded up to: whole pages and whole KV tiles."""
+    return math.lcm(block_size, KV_TILE)
+
+
+def workspace_tokens(query_lens, seq_lens, block_size: int) -> int:
+    """Workspace tokens a step needs: each prefilling request's context, rounded up to the alignment."""
+    a = workspace_align(block_size)
+    return sum(-(-L // a) * a for n, L in zip(query_lens, seq_lens) if n > 1)
 
 
 @dataclass
@@ -54,6 +73,13 @@ class StepLayout:
     token_row: np.ndarray
     decode_src: np.ndarray     # per decode row (num_decode * decode_splits)
     decode_dst: np.ndarray     # per decode request
+    # The prefill workspace (empty without block_size): each gathered page's request and logical page
+    # (padding pages: page -1, which gathers page 0 and is never read), and per prefill row and per
+    # tile (decode rows: 0) the workspace token where its request's context starts.
+    ws_req: np.ndarray = None
+    ws_page: np.ndarray = None
+    prefill_kv0: np.ndarray = None
+    tile_kv0: np.ndarray = None
     # The step's tokens are followed by padding tokens no tile covers (a mixed CUDA graph's capacity):
     # their attention rows must still be defined, or they carry garbage into the K/V they write.
     padded_tokens: bool = False
@@ -82,8 +108,10 @@ def choose_decode_splits(num_decode: int, num_kv_heads: int, device) -> int:
 
 
 def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int = 0,
-                pad_tiles_to: int = 0, decode_splits: int = 1) -> StepLayout:
-    """Place each request's queries: query_len 1 → decode rows, longer → whole prefill tiles."""
+                pad_tiles_to: int = 0, decode_splits: int = 1, block_size: int | None = None,
+                pad_workspace_to: int = 0) -> StepLayout:
+    """Place each request's queries: query_len 1 → decode rows, longer → whole prefill tiles; with
+    `block_size`, also the prefill workspace (pages, padded to `pad_workspace_to` pages)."""
     assert decode_splits >= 1 and len(query_lens) > 0
     ql = np.asarray(query_lens, dtype=np.int64)
     sl = np.asarray(seq_lens, dtype=np.int64)
@@ -119,6 +147,12 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
     # a padding row reads as its request's last token: the user's mod sees only real positions
     prefill_pos = np.minimum(ctx[row_req] + row_k, sl[row_req] - 1)
 
+    ws = plan_workspace(ql, sl, pre, block_size, pad_workspace_to)
+    kv0_req = np.zeros(len(ql), np.int64)
+    if ws is not None:
+        kv0_req[pre] = ws[2]
+    ws_req, ws_page = (ws[0], ws[1]) if ws is not None else (z(0), z(0))
+
     S = decode_splits
     dreq = np.repeat(np.concatenate([dec, z(dec_pad)]), S)
     dpos = np.repeat(np.concatenate([sl[dec] - 1, z(dec_pad)]), S)
@@ -133,7 +167,30 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
         tile_split=np.concatenate([np.tile(np.arange(S), Bd), z(len(t_req) + tile_pad)]),
         prefill_req=row_req, prefill_pos=prefill_pos, prefill_src=prefill_src, token_row=token_row,
         decode_src=decode_src, decode_dst=decode_dst,
+        ws_req=ws_req, ws_page=ws_page, prefill_kv0=kv0_req[row_req],
+        tile_kv0=np.concatenate([z(Bd * S), kv0_req[t_req], z(tile_pad)]),
     )
+
+
+def plan_workspace(ql: np.ndarray, sl: np.ndarray, pre: np.ndarray, block_size: int | None, pad_to: int):
+    """(request and logical page of each gathered page, workspace start token of each prefilling
+    request), or None without a block size. Request i's pages 0 .. ceil(L_i / align) * align / P - 1
+    follow each other, so its context is contiguous from a KV_TILE boundary; pages past its last are
+    padding (-1), as are the pages that pad the whole to `pad_to`."""
+    if block_size is None:
+        return None
+    P, a = block_size, workspace_align(block_size)
+    span = -(-sl[pre] // a) * (a // P)  # pages per request, alignment included
+    start = (np.cumsum(span) - span).astype(np.int64)
+    n = int(span.sum())
+    total = max(n, pad_to)
+    req = np.zeros(total, np.int64)
+    page = np.full(total, -1, np.int64)
+    req[:n] = np.repeat(pre, span)
+    page[:n] = np.arange(n) - np.repeat(start, span)
+    used = -(-sl[req[:n]] // P)
+    page[:n] = np.where(page[:n] < used, page[:n], -1)
+    return req, page, start * P
 
 
 @dataclass
@@ -159,6 +216,11 @@ class AttentionMetadata:
     token_row: torch.Tensor
     decode_src: torch.Tensor
     decode_dst: torch.Tensor
+    ws_req: torch.Tensor
+    ws_page: torch.Tensor
+    prefill_kv0: torch.Tensor
+    tile_kv0: torch.Tensor
+    ws_src: torch.Tensor            # int64 [workspace pages]; the physical page each one copies
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # per-request mod parameters [R]
     backend: object = None
     backend_state: dict = field(default_factory=dict)  # built by the backend in prepare()
@@ -222,7 +284,8 @@ def staging(device: torch.device) -> PinnedStaging:
 
 
 LAYOUT_FIELDS = ("decode_req", "tile_req", "tile_q_lo", "tile_q_hi", "tile_valid", "tile_split", "prefill_req", "prefill_pos",
-                  "prefill_src", "token_row", "decode_src", "decode_dst")
+                  "prefill_src", "token_row", "decode_src", "decode_dst", "ws_req", "ws_page", "prefill_kv0",
+                  "tile_kv0")
 
 
 def build_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
@@ -245,52 +308,81 @@ def metadata_on_device(layout: StepLayout, views: dict[str, torch.Tensor], block
         layout=layout, block_size=block_size, num_blocks=num_blocks,
         seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
         phys_to_logical=build_phys_to_logical(block_tables, seq_lens, block_size, num_blocks),
+        ws_src=workspace_sources(block_tables, views["ws_req"], views["ws_page"], num_blocks),
         params=dict(params or {}), **views)
 
 
-def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor]):
-    """Per tile: the partial and the full page lists for `mask_mod`, as flex kv_* tensors [tiles, M].
+def workspace_sources(block_tables: torch.Tensor, ws_req: torch.Tensor, ws_page: torch.Tensor,
+                      num_blocks: int) -> torch.Tensor:
+    """The physical page each workspace page copies; padding (-1) copies page 0, which no tile reads."""
+    M = block_tables.shape[1]
+    phys = block_tables[ws_req, ws_page.clamp(0, M - 1)].long()
+    return torch.where(ws_page >= 0, phys, 0).clamp(0, num_blocks - 1)
 
-    Pages come from the mask's logical `kv_bounds` (any-true and all-true token ranges), clipped to
-    the request's context; a mask without bounds visits all its pages (up to the tile's last query when
-    it is causal_safe) as partial. Partial pages are
-    [lo, flo) ∪ [fhi, hi) and full pages [flo, fhi), in logical page units, then mapped through the
-    block table, so no page of another request can appear.
-    """
-    P = meta.block_size
-    req = meta.tile_req
+
+def block_ranges(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor], rows: slice, B: int):
+    """For the tiles `rows`: the logical block ranges, in blocks of B tokens, that the mask reads:
+    partial blocks [lo, flo) ∪ [fhi, hi) and full blocks [flo, fhi).
+
+    They come from the mask's logical `kv_bounds` (any-true and all-true token ranges), clipped to the
+    request's context; a mask without bounds visits all its blocks (up to the tile's last query when it
+    is causal_safe) as partial."""
+    req = meta.tile_req[rows]
     L = meta.seq_lens.long()[req]
-    q_lo, q_hi = meta.tile_q_lo, meta.tile_q_hi
+    q_lo, q_hi = meta.tile_q_lo[rows], meta.tile_q_hi[rows]
     zero = torch.zeros_like(L)
     a_lo, a_hi, f_lo, f_hi = (torch.as_tensor(x, device=L.device).long().expand_as(L)
                               for x in kv_bounds_of(mask_mod)(req, q_lo, q_hi, L, *param_values))
     a_lo, a_hi = a_lo.clamp(min=0), torch.minimum(a_hi, L)
     f_lo, f_hi = torch.maximum(f_lo, a_lo), torch.minimum(f_hi, a_hi)
-    valid = meta.tile_valid & (a_hi > a_lo)
-    lo = torch.where(valid, a_lo // P, zero)
-    hi = torch.where(valid, (a_hi + P - 1) // P, zero)
-    flo, fhi = (f_lo + P - 1) // P, f_hi // P  # only pages wholly inside the all-true range
+    valid = meta.tile_valid[rows] & (a_hi > a_lo)
+    lo = torch.where(valid, a_lo // B, zero)
+    hi = torch.where(valid, (a_hi + B - 1) // B, zero)
+    flo, fhi = (f_lo + B - 1) // B, f_hi // B  # only blocks wholly inside the all-true range
     no_full = fhi <= flo
     flo = torch.where(no_full, hi, flo.clamp(lo, hi))
     fhi = torch.where(no_full, hi, fhi.clamp(flo, hi))
+    return lo, flo, fhi, hi
+
+
+def block_lists(lo, flo, fhi, hi, M: int):
+    """Block ranges → (partial count, [N, M] partial list, full count, [N, M] full list) as logical
+    block indices; entries past a count are never read, but still made valid indices by the caller."""
+    j = torch.arange(M, device=lo.device)[None, :]
+    n_left = (flo - lo)[:, None]
+    partial = torch.where(j < n_left, lo[:, None] + j, fhi[:, None] + j - n_left)
+    full = flo[:, None] + j
+    return ((flo - lo) + (hi - fhi)).int(), partial, (fhi - flo).int(), full
+
+
+def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor]):
+    """Per decode row: the partial and the full page lists for `mask_mod`, as flex kv_* tensors [rows, M],
+    logical pages mapped through the block table (so no page of another request can appear)."""
     S = meta.layout.decode_splits
+    rows = slice(0, meta.layout.num_decode * S)
+    lo, flo, fhi, hi = block_ranges(meta, mask_mod, param_values, rows, meta.block_size)
     if S > 1:  # decode row s of a request reads the s-th contiguous slice of its page range
-        nsplit = torch.where(torch.arange(len(lo), device=lo.device) < meta.layout.num_decode * S, S, 1)
-        chunk = (hi - lo + nsplit - 1) // nsplit
-        lo = (lo + meta.tile_split * chunk).clamp(max=hi)
+        chunk = (hi - lo + S - 1) // S
+        lo = (lo + meta.tile_split[rows] * chunk).clamp(max=hi)
         hi = (lo + chunk).clamp(max=hi)
         flo, fhi = flo.clamp(lo, hi), fhi.clamp(lo, hi)
         fhi = torch.maximum(fhi, flo)
-
     M = meta.block_tables.shape[1]
-    j = torch.arange(M, device=L.device)[None, :]
-    n_left = (flo - lo)[:, None]
-    partial_logical = torch.where(j < n_left, lo[:, None] + j, fhi[:, None] + j - n_left)
-    full_logical = flo[:, None] + j
-    rows = meta.block_tables[req]
-    nb = meta.num_blocks - 1  # entries past a list's count are never read, but must stay in range
-    kv_idx = rows.gather(1, partial_logical.clamp(0, M - 1)).clamp(0, nb).int()
-    full_idx = rows.gather(1, full_logical.clamp(0, M - 1)).clamp(0, nb).int()
-    kv_num = ((flo - lo) + (hi - fhi)).int()
-    full_num = (fhi - flo).int()
+    kv_num, partial, full_num, full = block_lists(lo, flo, fhi, hi, M)
+    tables = meta.block_tables[meta.tile_req[rows]]
+    nb = meta.num_blocks - 1
+    kv_idx = tables.gather(1, partial.clamp(0, M - 1)).clamp(0, nb).int()
+    full_idx = tables.gather(1, full.clamp(0, M - 1)).clamp(0, nb).int()
     return kv_num, kv_idx, full_num, full_idx
+
+
+def workspace_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor], capacity_blocks: int):
+    """Per prefill tile: the partial and the full KV_TILE block lists over the workspace, [tiles,
+    capacity_blocks]: the request's logical blocks shifted by where its context starts there."""
+    first = meta.layout.num_decode * meta.layout.decode_splits
+    rows = slice(first, first + meta.layout.num_tiles)
+    lo, flo, fhi, hi = block_ranges(meta, mask_mod, param_values, rows, KV_TILE)
+    kv_num, partial, full_num, full = block_lists(lo, flo, fhi, hi, capacity_blocks)
+    base = (meta.tile_kv0[rows] // KV_TILE)[:, None]
+    top = capacity_blocks - 1
+    return kv_num, (partial + base).clamp(0, top).int(), full_num, (full + base).clamp(0, top).int()

@@ -98,7 +98,7 @@ def flex_times(seq_lens, query_lens, page, Hq, Hkv, D, device, mods):
     slots = torch.empty(0, dtype=torch.long, device=device)
 
     def build():
-        meta = build_metadata(bt, sl, slots, plan_layout(query_lens, seq_lens, decode_splits=splits),
+        meta = build_metadata(bt, sl, slots, plan_layout(query_lens, seq_lens, decode_splits=splits, block_size=page),
                               page, kc.shape[0])
         meta.backend = backend
         backend.prepare(meta, [mods])

@@ -15,7 +15,7 @@ import math
 import os
 import time
 
-from ..attention.metadata import Q_TILE
+from ..attention.metadata import Q_TILE, workspace_align
 from ..config import EngineConfig
 from ..masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
 from ..outputs import CompletionDelta, CompletionOutput, Logprob, RequestOutput
@@ -74,7 +74,9 @@ class LLMEngine:
                         config.num_scheduler_steps)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    whole_prompts=self.look_ahead is not None, num_scheduler_steps=steps,
-                                   max_model_len=self.max_model_len, chunk_align=Q_TILE)
+                                   max_model_len=self.max_model_len, chunk_align=Q_TILE,
+                                   workspace_tokens=self.runner.workspace_tokens,
+                                   workspace_align=workspace_align(config.block_size))
         self.requests: dict[str, Request] = {}
         self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.runner.device.type, steps)
         self.in_flight: InFlightStep | None = None  # async scheduling: launched, not yet read back

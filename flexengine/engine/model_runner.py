@@ -110,6 +110,14 @@ class ModelRunner:
         # enforce_eager, and compiled flex needs a fixed set of shapes: decode rows and prefill tiles
         # padded to buckets, every per-request tensor max_num_seqs rows long.
         self.static_shapes = self.backend.name == "flex" and self.backend.compiled(self.device)
+        # Compiled flex prefills from a workspace of fixed size (attention/metadata.py), made before the
+        # KV cache is sized; the scheduler keeps each step's prefill contexts within it.
+        self.workspace_tokens = None
+        if self.static_shapes:
+            pages = -(-self.plan_workspace_tokens() // self.block_size)
+            self.backend.reserve_workspace(pages, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+                                           self.device)
+            self.workspace_tokens = self.backend.workspace_pages * self.block_size
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
         self._last_sampling: tuple[list[Sequence] | None, SamplingTensors | None] = (None, None)
@@ -157,6 +165,15 @@ class ModelRunner:
         """The asked-for length, else the model's, capped: max_model_len unless the cache holds less."""
         model_max = self.model_max_len()
         return self.config.max_model_len or min(model_max or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
+
+    def plan_workspace_tokens(self) -> int:
+        """The prefill workspace: one request of the longest context and a full step beside it, and at least
+        a tile per prefill tile a step can have (a step of whole short prompts needs no more)."""
+        from ..attention.metadata import KV_TILE, workspace_align
+        from ..compile.warmup import max_prefill_tiles
+        cfg, a = self.config, workspace_align(self.block_size)
+        contexts = -(-self.wanted_max_model_len() // a) * a + -(-cfg.max_num_batched_tokens // a) * a
+        return max(contexts, KV_TILE * max_prefill_tiles(cfg.max_num_batched_tokens, cfg.max_num_seqs))
 
     def choose_max_model_len(self) -> int:
         """The asked-for length (checked against the model and the cache), else the model's, capped."""
@@ -259,7 +276,8 @@ class ModelRunner:
             tables[i, :len(s.block_table)] = s.block_table
         slots = tables[req, positions // P].astype(np.int64) * P + positions % P
 
-        layout = plan_layout(batch.num_new_tokens, seq_lens.tolist(), **self.layout_padding(batch.num_new_tokens))
+        lens = seq_lens.tolist()
+        layout = plan_layout(batch.num_new_tokens, lens, **self.layout_padding(batch.num_new_tokens, lens))
         padded_lens = np.zeros(rows, dtype=np.int32)
         padded_lens[:R] = seq_lens
         # A sequence gets a token when this step computes its last known token (its prompt is done).
@@ -280,7 +298,7 @@ class ModelRunner:
             sample_seqs=p.sample_seqs, sample_rows=self.to_device(p.sample_rows),
             sampling=self.sampling_tensors(p.sample_seqs) if sampling and p.sample_seqs else None)
 
-    def layout_padding(self, query_lens: list[int]) -> dict:
+    def layout_padding(self, query_lens: list[int], seq_lens: list[int]) -> dict:
         """With static shapes, pad decode rows and prefill tiles to the compiled buckets (the split-KV
         count the decode graphs use), so no step meets a shape the warm-up did not compile."""
         if not self.static_shapes:
@@ -291,7 +309,17 @@ class ModelRunner:
         tiles = sum(-(-n // Q_TILE) for n in query_lens if n > 1)
         rows = bucket(num_decode, decode_buckets(self.config.max_num_seqs)) if num_decode else 0
         return dict(pad_decode_to=rows, pad_tiles_to=tile_bucket(tiles),
-                    decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device))
+                    decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device),
+                    block_size=self.block_size, pad_workspace_to=self.workspace_bucket(query_lens, seq_lens))
+
+    def workspace_bucket(self, query_lens: list[int], seq_lens: list[int]) -> int:
+        """Workspace pages a step gathers: its need rounded up to a power of two of KV tiles (a mixed CUDA
+        graph's shape), within the workspace."""
+        from ..attention.metadata import KV_TILE, workspace_tokens
+        from ..compile import tile_bucket
+        need = workspace_tokens(query_lens, seq_lens, self.block_size)
+        assert need <= self.workspace_tokens, (need, self.workspace_tokens)  # the scheduler's promise
+        return min(tile_bucket(-(-need // KV_TILE)) * KV_TILE, self.workspace_tokens) // self.block_size
 
     def attention_params(self, seqs: list[Sequence], rows: int = 0) -> dict[str, torch.Tensor]:
         """Per-request mod parameters (SamplingParams.attention_params) as [max(R, rows)] tensors.

@@ -49,7 +49,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  whole_prompts: bool = False, num_scheduler_steps: int = 1, max_model_len: int | None = None,
-                 chunk_align: int = 1):
+                 chunk_align: int = 1, workspace_tokens: int | None = None, workspace_align: int = 1):
         self.block_manager = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # A look-ahead mask (bidirectional, prefix-LM) lets prompt tokens see later prompt tokens, so a
@@ -57,6 +57,9 @@ class Scheduler:
         self.whole_prompts = whole_prompts
         self.num_scheduler_steps, self.max_model_len = num_scheduler_steps, max_model_len
         self.chunk_align = chunk_align
+        # Compiled flex prefills from a workspace of this many tokens (attention/metadata.py): the
+        # contexts of a step's prefilling requests, each rounded up to workspace_align, must fit it.
+        self.workspace_tokens, self.workspace_align = workspace_tokens, workspace_align
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
@@ -78,6 +81,7 @@ class Scheduler:
             return batch
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self._workspace_left = self.workspace_tokens
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
@@ -86,7 +90,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or self.at_limit(seq):
                 continue  # preempted earlier in this loop, or its pending token is its last
             n = self.chunk(seq.num_uncomputed_tokens, budget)
-            if n < self.min_chunk(seq, seq.num_computed_tokens):
+            if n < self.min_chunk(seq, seq.num_computed_tokens) or not self.take_workspace(seq.num_computed_tokens, n):
                 continue  # the rest of its prompt does not fit this step
             if self.block_manager.pages_needed(seq, n) == 0:  # most decode steps: room in its last page
                 batch.seqs.append(seq)
@@ -142,6 +146,17 @@ class Scheduler:
             return remaining
         return budget - budget % self.chunk_align if budget >= self.chunk_align else budget
 
+    def take_workspace(self, computed: int, n: int) -> bool:
+        """Whether a chunk of n tokens after `computed` fits the step's prefill workspace (then taken)."""
+        if n == 1 or self.workspace_tokens is None:
+            return True  # decode rows read the pages directly
+        a = self.workspace_align
+        need = -(-(computed + n) // a) * a
+        if need > self._workspace_left:
+            return False
+        self._workspace_left -= need
+        return True
+
     def min_chunk(self, seq: Sequence, computed: int) -> int:
         """Fewest tokens a step may give `seq`: 1, or with whole prompts all of its uncomputed prompt."""
         return max(1, seq.num_prompt_tokens - computed) if self.whole_prompts else 1
@@ -155,7 +170,8 @@ class Scheduler:
             cached = len(hits) * self.block_manager.block_size
             n = self.chunk(seq.num_tokens - cached, budget)
             assert n >= 1
-            if n < self.min_chunk(seq, cached) or not self.block_manager.can_allocate(seq, n, hits):
+            if n < self.min_chunk(seq, cached) or not self.block_manager.can_allocate(seq, n, hits) \
+                    or not self.take_workspace(cached, n):
                 break
             self.block_manager.allocate(seq, n, hits)
             self.waiting.popleft()

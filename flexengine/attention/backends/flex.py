@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ except ImportError:
 
 from ...compile import configure_dynamo, fused
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
-from ..metadata import Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists
+from ..metadata import (KV_TILE, Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists)
 
 
 def param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
@@ -67,6 +68,18 @@ def _logical_kv(meta: AttentionMetadata, req, kv_idx, listed_only: bool):
     return lkv, live
 
 
+def _workspace_kv(meta: AttentionMetadata, req, q_idx, kv_idx, listed_only: bool):
+    """Workspace index → (logical kv position, whether it is a live token of request `req`). The lists
+    hold only the request's own KV tiles; a kernel that reads past them (Inductor's CPU template) could
+    meet the previous request's tail, hence the lower bound there."""
+    lkv = kv_idx - meta.prefill_kv0[q_idx]
+    live = lkv < meta.seq_lens[req]
+    if not listed_only:
+        live = live & (lkv >= 0)
+        lkv = lkv.clamp(min=0)  # a mod sees only real positions
+    return lkv, live
+
+
 def _query(meta: AttentionMetadata, decode: bool, b, q_idx):
     """The request and logical query position of a flex (batch row, query row); a decode row's position
     is its request's last, which _live_coords sets once it has made the request a live one."""
@@ -75,20 +88,25 @@ def _query(meta: AttentionMetadata, decode: bool, b, q_idx):
     return meta.prefill_req[q_idx], meta.prefill_pos[q_idx]
 
 
-def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: bool = False):
-    """The user's logical mask on the pool's physical coordinates; `listed_only`: the kernel visits only
-    the pages in the BlockMask's lists (compiled flex on CUDA)."""
+def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: bool = False, workspace: bool = False):
+    """The user's logical mask on the pool's physical coordinates (or, for prefill rows with
+    `workspace`, the workspace's); `listed_only`: the kernel visits only the blocks in the BlockMask's
+    lists (compiled flex on CUDA)."""
     values = param_values(meta, mask_mod, MASK_ARGS)
+    assert not (decode and workspace)
 
     def mask(b, h, q_idx, kv_idx):
         req, q_pos = _query(meta, decode, b, q_idx)
-        lkv, live = _logical_kv(meta, req, kv_idx, listed_only)
+        if workspace:
+            lkv, live = _workspace_kv(meta, req, q_idx, kv_idx, listed_only)
+        else:
+            lkv, live = _logical_kv(meta, req, kv_idx, listed_only)
         req, q_pos, lkv = _live_coords(meta, decode, req, q_pos, lkv)
         return live & mask_mod(req, h, q_pos, lkv, *values)
     return mask
 
 
-def paged_score(meta: AttentionMetadata, score_mod, decode: bool):
+def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: bool = False):
     if score_mod is None:
         return None
     values = param_values(meta, score_mod, SCORE_ARGS)
@@ -96,7 +114,10 @@ def paged_score(meta: AttentionMetadata, score_mod, decode: bool):
 
     def score(s, b, h, q_idx, kv_idx):
         req, q_pos = _query(meta, decode, b, q_idx)
-        lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
+        if workspace:
+            lkv = kv_idx - meta.prefill_kv0[q_idx]
+        else:
+            lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
         req, q_pos, lkv = _live_coords(meta, decode, req, q_pos, lkv)
         return score_mod(s, req, h, q_pos, lkv, *values)
     return score
@@ -115,25 +136,29 @@ def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return out
 
 
-def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool = False):
-    """(decode BlockMask or None, prefill BlockMask or None) for one logical mask."""
+def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, workspace_pages: int):
+    """(decode BlockMask or None, prefill BlockMask or None) for one logical mask. Decode rows read
+    the pool's pages; prefill tiles read KV_TILE blocks of a workspace of `workspace_pages` pages."""
     lay, P = meta.layout, meta.block_size
-    kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, param_values(meta, mask_mod, MASK_ARGS))
-    kv_len = meta.num_blocks * P
+    values = param_values(meta, mask_mod, MASK_ARGS)
     Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
-    M = meta.num_blocks
     dec = pre = None
     if Bd:
+        M = meta.num_blocks
+        kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, values)
         dec = BlockMask.from_kv_blocks(
-            kv_num[:Bd].view(Bd, 1, 1), _pool_wide(kv_idx[:Bd], M).view(Bd, 1, 1, M),
-            full_num[:Bd].view(Bd, 1, 1), _pool_wide(full_idx[:Bd], M).view(Bd, 1, 1, M),
+            kv_num.view(Bd, 1, 1), _pool_wide(kv_idx, M).view(Bd, 1, 1, M),
+            full_num.view(Bd, 1, 1), _pool_wide(full_idx, M).view(Bd, 1, 1, M),
             BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, True, listed_only),
-            seq_lengths=(1, kv_len), compute_q_blocks=False)
+            seq_lengths=(1, M * P), compute_q_blocks=False)
     if Tp:
+        kv_len = workspace_pages * P
+        assert kv_len % KV_TILE == 0, (workspace_pages, P)
+        M = kv_len // KV_TILE
+        kv_num, kv_idx, full_num, full_idx = workspace_lists(meta, mask_mod, values, M)
         pre = BlockMask.from_kv_blocks(
-            kv_num[Bd:].view(1, 1, Tp), _pool_wide(kv_idx[Bd:], M).view(1, 1, Tp, M),
-            full_num[Bd:].view(1, 1, Tp), _pool_wide(full_idx[Bd:], M).view(1, 1, Tp, M),
-            BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, False, listed_only),
+            kv_num.view(1, 1, Tp), kv_idx.view(1, 1, Tp, M), full_num.view(1, 1, Tp), full_idx.view(1, 1, Tp, M),
+            BLOCK_SIZE=(Q_TILE, KV_TILE), mask_mod=paged_mask(meta, mask_mod, False, listed_only, workspace=True),
             seq_lengths=(Tp * Q_TILE, kv_len), compute_q_blocks=False)
     return dec, pre
 
@@ -164,6 +189,33 @@ class FlexBackend:
 
     def __init__(self, compile: bool | None = None):
         self.compile = compile  # None: compile on CUDA, eager on CPU (where Inductor's flex is slow to build)
+        # Pages of the prefill workspace: fixed by the engine (reserve_workspace), so that the compiled
+        # prefill kernel's KV length never changes; None sizes it to each call (functional API).
+        self.workspace_pages: int | None = None
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def reserve_workspace(self, pages: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> int:
+        """Allocate the engine's prefill workspace (K and V, shared by every layer: they run one after
+        another) of at least `pages` pages, whole KV tiles; returns its size in bytes."""
+        step = KV_TILE // math.gcd(block_size, KV_TILE)  # pages per whole number of KV tiles
+        self.workspace_pages = -(-pages // step) * step
+        shape = (self.workspace_pages, block_size, num_kv_heads, head_dim)
+        self._workspace = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return 2 * self._workspace[0].nbytes
+
+    def gather_workspace(self, key_cache, value_cache, meta: AttentionMetadata):
+        """Copy the prefilling requests' pages into the workspace: k, v as [1, Hkv, pages * P, D]."""
+        W = len(meta.ws_src)
+        if self._workspace is None or self.workspace_pages is None:
+            ks, vs = key_cache.new_empty(W, *key_cache.shape[1:]), value_cache.new_empty(W, *value_cache.shape[1:])
+        else:
+            ks, vs = self._workspace
+            assert W <= len(ks) and ks.shape[1:] == key_cache.shape[1:] and ks.dtype == key_cache.dtype, \
+                (W, ks.shape, key_cache.shape, ks.dtype, key_cache.dtype)
+        torch.index_select(key_cache, 0, meta.ws_src, out=ks[:W])
+        torch.index_select(value_cache, 0, meta.ws_src, out=vs[:W])
+        NB, P, Hkv, D = ks.shape
+        return ks.view(1, NB * P, Hkv, D).transpose(1, 2), vs.view(1, NB * P, Hkv, D).transpose(1, 2)
 
     def compiled(self, device: torch.device) -> bool:
         return self.compile if self.compile is not None else device.type == "cuda"
@@ -207,9 +259,11 @@ class FlexBackend:
         masks, scores = meta.backend_state.setdefault("masks", {}), meta.backend_state.setdefault("scores", {})
         for mask_mod, score_mod in mods:
             if mask_mod not in masks:  # eager: dense masks instead, made when a layer first asks (dense_mask)
-                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only) if compiled else (None, None)
+                pages = self.workspace_pages if self.workspace_pages is not None else len(meta.ws_src)
+                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only, pages) if compiled else (None, None)
             if score_mod not in scores:
-                scores[score_mod] = (paged_score(view, score_mod, True), paged_score(view, score_mod, False))
+                scores[score_mod] = (paged_score(view, score_mod, True),
+                                     paged_score(view, score_mod, False, workspace=compiled))
 
     def dense_mask(self, meta: AttentionMetadata, mask_mod, num_heads: int, decode: bool) -> torch.Tensor:
         """The step's mask over its compacted pages, [rows, Hq, q, kv] bool, evaluated once per step and
@@ -280,13 +334,16 @@ class FlexBackend:
             return self.forward_dense(query, k, v, meta, mask_mod, score_mod, scale)
         flex = self.flex_fn()
         gqa = Hq != Hkv
-        # the kernel's kv tile must divide the page; default tiles can be 128 wide
+        # the decode kernel's kv tile must divide the page; default tiles can be 128 wide
         opts = {"kernel_options": {"BLOCK_N": P}} if P < 128 else {}
         # Row T swallows padding decode rows. Prefill rows come back by one gather, which also fills
         # the rows of decode tokens (overwritten below) and of padded tokens (row 0: finite).
         if lay.num_tiles:
+            if len(meta.ws_src) == 0:
+                raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
+            kw, vw = self.gather_workspace(key_cache, value_cache, meta)
             qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
-            op = flex(qp, k, v, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa, **opts)
+            op = flex(qp, kw, vw, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa)
             out = op[0].transpose(0, 1)[meta.token_row]
         else:
             out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)
