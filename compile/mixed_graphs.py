@@ -29,9 +29,18 @@ logger = logging.getLogger(__name__)
 # Prefill tiles the largest mixed graph holds: 2,048 prompt tokens, a full step at the default token
 # budget (the scheduler cuts chunks on whole tiles, so such a step has at most 16).
 MAX_GRAPH_TILES = 16
-# Workspace KV tiles per prefill tile a mixed graph holds: each key is captured for its tiles' own
-# contexts at start-up, and at most twice, four and eight times that when a step first needs it.
+# Workspace KV tiles per prefill tile a mixed graph gathers at most: a chunk over a cached prefix up to
+# 7x its length still replays a graph. Pages a step does not need are skipped by the copy kernel
+# (attention/workspace.py), so the graph's size costs nothing, and its key needs no workspace size.
 WORKSPACE_PER_TILE = 8
+
+
+def graph_workspace_pages(num_tiles: int, block_size: int, capacity_pages: int | None) -> int:
+    """Workspace pages a mixed graph of `num_tiles` prefill tiles gathers (its static size); none for a
+    backend without a workspace (eager flex on the CPU reads the pages)."""
+    if capacity_pages is None:
+        return 0
+    return min(WORKSPACE_PER_TILE * num_tiles * KV_TILE // block_size, capacity_pages)
 
 
 @dataclass(frozen=True)
@@ -96,11 +105,11 @@ class MixedGraphRunner:
     """Runs `run_model(input_ids, positions, meta) -> hidden` for steps with prompt tokens from graphs."""
 
     def __init__(self, run_model, backend, mods, *, rows: int, table_width: int, block_size: int, num_blocks: int,
-                 params: dict[str, torch.dtype], scratch_slot: int, device, pool=None,
+                 params: dict[str, torch.dtype], scratch_slot: int, device, workspace_pages: int | None = None, pool=None,
                  max_tiles: int = MAX_GRAPH_TILES, use_graphs: bool = True):
         self.run_model, self.backend, self.mods = run_model, backend, mods
         self.rows, self.width, self.block_size, self.num_blocks = rows, table_width, block_size, num_blocks
-        self.scratch_slot, self.max_tiles = scratch_slot, max_tiles
+        self.scratch_slot, self.max_tiles, self.workspace_pages = scratch_slot, max_tiles, workspace_pages
         self.device = torch.device(device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.pool = pool
@@ -112,10 +121,10 @@ class MixedGraphRunner:
         self.capture_seconds = 0.0
 
     def fits(self, layout: StepLayout) -> bool:
-        """Up to max_tiles prefill tiles, over contexts of up to WORKSPACE_PER_TILE tiles per tile: a step
-        that prefills over a longer cached prefix has long kernels, and runs without a graph."""
-        ws_tiles = len(layout.ws_req) * self.block_size // KV_TILE
-        return 0 < layout.num_tiles <= self.max_tiles and ws_tiles <= WORKSPACE_PER_TILE * layout.num_tiles
+        """Up to max_tiles prefill tiles, with the graph's workspace (the runner pads a step to it when its
+        contexts fit): a step that prefills over a longer cached prefix has long kernels, and runs without."""
+        return 0 < layout.num_tiles <= self.max_tiles and len(layout.ws_req) == graph_workspace_pages(
+            layout.num_tiles, self.block_size, self.workspace_pages)
 
     def forward(self, key: MixedKey) -> torch.Tensor:
         """The step over the key's static buffers: metadata on the device, then the model."""

@@ -111,6 +111,7 @@ def check_page_lists(rng, P, case, reqs):
     ws_src = meta.ws_src.tolist()
     cap = -(-len(ws_src) * P // KV_TILE)
     kv_num, kv_idx, full_num, full_idx = workspace_lists(meta, mask, [], cap)
+    live_pages = set()
     for i in range(lay.num_tiles):
         t = lay.num_decode + i
         b = int(lay.tile_req[t])
@@ -119,9 +120,12 @@ def check_page_lists(rng, P, case, reqs):
         assert kv0 % KV_TILE == 0
         for pos in range(L):  # the workspace holds the request's context from kv0, in order
             assert ws_src[(kv0 + pos) // P] == tables[b][pos // P]
+        live_pages.update((kv0 + pos) // P for pos in range(L))
         own = list(range(kv0 // KV_TILE, kv0 // KV_TILE + -(-L // KV_TILE)))
         check_lists(t, b, L, plain, lay, own, [int(x) for x in kv_idx[i, : kv_num[i]]],
                     [int(x) for x in full_idx[i, : full_num[i]]], KV_TILE)
+    # every other page (alignment tails, padding) is skipped by the copy
+    assert all(ws_src[i] == -1 for i in range(len(ws_src)) if i not in live_pages)
 
 
 @settings(max_examples=80, deadline=None)

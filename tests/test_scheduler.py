@@ -23,9 +23,11 @@ def fake_token(seq):
 class Sim:
     """Scheduler + block manager + a fake model runner."""
 
-    def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, caching=True, chunk_align=1):
+    def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, caching=True, chunk_align=1,
+                 workspace_tokens=None, workspace_align=1):
         self.bm = BlockManager(num_blocks, block_size, caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, max_tokens_per_step, chunk_align=chunk_align)
+        self.sched = Scheduler(self.bm, max_num_seqs, max_tokens_per_step, chunk_align=chunk_align,
+                               workspace_tokens=workspace_tokens, workspace_align=workspace_align)
         self.shadow = Shadow(num_blocks, block_size)
         self.max_model_len = num_blocks * block_size
         self.targets = {}
@@ -54,6 +56,10 @@ class Sim:
             assert all(s in batch.seqs for s in decodes)
         for seq in batch.preempted:
             assert seq.status is SequenceStatus.WAITING and seq.block_table == [] and seq not in batch.seqs
+        if self.sched.workspace_tokens is not None:  # the prefill contexts fit the workspace
+            a = self.sched.workspace_align
+            used = sum(-(-(s.num_computed_tokens + n) // a) * a for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1)
+            assert used <= self.sched.workspace_tokens, (used, self.sched.workspace_tokens)
         align = self.sched.chunk_align
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert seq.status is SequenceStatus.RUNNING and n >= 1
@@ -130,6 +136,25 @@ def test_chunk_cut_by_the_budget_ends_on_whole_tiles():
     assert batch.seqs == [a, b, c] and batch.num_new_tokens == [1, 1, 8]
     sim.drain()
     assert a.token_ids == expected_tokens(range(21), 23)
+
+
+def test_prefill_contexts_stay_within_the_workspace():
+    """Two long prompts with a workspace that holds one context: their chunks take turns, none is starved,
+    and a short prompt still fits beside a chunk."""
+    h = Sim(num_blocks=64, block_size=4, max_num_seqs=4, max_tokens_per_step=24, workspace_tokens=48,
+                workspace_align=8)
+    a, b = h.add(list(range(40)), 2), h.add(list(range(100, 140)), 2)
+    c = h.add([7, 8, 9], 2)
+    shared = 0
+    for _ in range(60):
+        if not h.sched.has_unfinished():
+            break
+        batch = h.step()
+        prefills = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1]
+        shared += a in prefills and b in prefills
+        h.check()
+    assert not h.sched.has_unfinished() and {a, b, c} <= set(h.finished)
+    assert shared <= 1  # both only while their contexts are short (16 + 8 <= 48 at most once)
 
 
 def test_decodes_go_before_prefill_chunks():

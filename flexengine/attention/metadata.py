@@ -220,7 +220,7 @@ class AttentionMetadata:
     ws_page: torch.Tensor
     prefill_kv0: torch.Tensor
     tile_kv0: torch.Tensor
-    ws_src: torch.Tensor            # int64 [workspace pages]; the physical page each one copies
+    ws_src: torch.Tensor            # int64 [workspace pages]; the physical page each one copies, -1: none
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # per-request mod parameters [R]
     backend: object = None
     backend_state: dict = field(default_factory=dict)  # built by the backend in prepare()
@@ -314,10 +314,10 @@ def metadata_on_device(layout: StepLayout, views: dict[str, torch.Tensor], block
 
 def workspace_sources(block_tables: torch.Tensor, ws_req: torch.Tensor, ws_page: torch.Tensor,
                       num_blocks: int) -> torch.Tensor:
-    """The physical page each workspace page copies; padding (-1) copies page 0, which no tile reads."""
+    """The physical page each workspace page copies; -1 for padding, which no tile reads."""
     M = block_tables.shape[1]
-    phys = block_tables[ws_req, ws_page.clamp(0, M - 1)].long()
-    return torch.where(ws_page >= 0, phys, 0).clamp(0, num_blocks - 1)
+    phys = block_tables[ws_req, ws_page.clamp(0, M - 1)].long().clamp(0, num_blocks - 1)
+    return torch.where(ws_page >= 0, phys, -1)
 
 
 def block_ranges(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor], rows: slice, B: int):

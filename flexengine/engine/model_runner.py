@@ -313,13 +313,16 @@ class ModelRunner:
                     block_size=self.block_size, pad_workspace_to=self.workspace_bucket(query_lens, seq_lens))
 
     def workspace_bucket(self, query_lens: list[int], seq_lens: list[int]) -> int:
-        """Workspace pages a step gathers: its need rounded up to a power of two of KV tiles (a mixed CUDA
-        graph's shape), within the workspace."""
-        from ..attention.metadata import KV_TILE, workspace_tokens
+        """Workspace pages a step gathers: a mixed CUDA graph's fixed number when its contexts fit one
+        (compile/mixed_graphs.py), else just what it needs."""
+        from ..attention.metadata import Q_TILE, workspace_tokens
         from ..compile import tile_bucket
+        from ..compile.mixed_graphs import MAX_GRAPH_TILES, graph_workspace_pages
         need = workspace_tokens(query_lens, seq_lens, self.block_size)
         assert need <= self.workspace_tokens, (need, self.workspace_tokens)  # the scheduler's promise
-        return min(tile_bucket(-(-need // KV_TILE)) * KV_TILE, self.workspace_tokens) // self.block_size
+        tiles = tile_bucket(sum(-(-n // Q_TILE) for n in query_lens if n > 1))
+        graph = graph_workspace_pages(tiles, self.block_size, self.backend.workspace_pages)
+        return graph if 0 < tiles <= MAX_GRAPH_TILES and need <= graph * self.block_size else 0
 
     def attention_params(self, seqs: list[Sequence], rows: int = 0) -> dict[str, torch.Tensor]:
         """Per-request mod parameters (SamplingParams.attention_params) as [max(R, rows)] tensors.
@@ -388,7 +391,8 @@ class ModelRunner:
         return MixedGraphRunner(
             self.run_model, self.backend, self.mods, rows=self.config.max_num_seqs, table_width=self.table_width,
             block_size=self.block_size, num_blocks=self.num_blocks + 1,
-            params=self.param_dtypes(), scratch_slot=self.num_blocks * self.block_size, device=self.device, pool=pool)
+            params=self.param_dtypes(), scratch_slot=self.num_blocks * self.block_size, device=self.device,
+            workspace_pages=self.backend.workspace_pages, pool=pool)
 
     def param_dtypes(self) -> dict[str, torch.dtype]:
         """{per-request parameter: its dtype}, sorted by name: what a CUDA graph's static buffers hold."""

@@ -23,6 +23,7 @@ except ImportError:
 
 from ...compile import configure_dynamo, fused
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
+from ..workspace import gather_pages
 from ..metadata import (KV_TILE, Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists)
 
 
@@ -212,8 +213,7 @@ class FlexBackend:
             ks, vs = self._workspace
             assert W <= len(ks) and ks.shape[1:] == key_cache.shape[1:] and ks.dtype == key_cache.dtype, \
                 (W, ks.shape, key_cache.shape, ks.dtype, key_cache.dtype)
-        torch.index_select(key_cache, 0, meta.ws_src, out=ks[:W])
-        torch.index_select(value_cache, 0, meta.ws_src, out=vs[:W])
+        gather_pages(key_cache, value_cache, meta.ws_src, ks, vs)
         NB, P, Hkv, D = ks.shape
         return ks.view(1, NB * P, Hkv, D).transpose(1, 2), vs.view(1, NB * P, Hkv, D).transpose(1, 2)
 
