@@ -48,7 +48,7 @@ class MixedKey:
     num_decode: int  # decode requests, padded to a decode bucket
     splits: int      # split-KV rows per decode request
     num_tiles: int   # prefill tiles, padded to a power of two
-    workspace_pages: int  # pages gathered into the prefill workspace (a power of two of KV tiles)
+    workspace_pages: int  # pages gathered into the prefill workspace (graph_workspace_pages of num_tiles)
 
     @classmethod
     def of(cls, layout: StepLayout) -> "MixedKey":
@@ -105,8 +105,8 @@ class MixedGraphRunner:
     """Runs `run_model(input_ids, positions, meta) -> hidden` for steps with prompt tokens from graphs."""
 
     def __init__(self, run_model, backend, mods, *, rows: int, table_width: int, block_size: int, num_blocks: int,
-                 params: dict[str, torch.dtype], scratch_slot: int, device, workspace_pages: int | None = None, pool=None,
-                 max_tiles: int = MAX_GRAPH_TILES, use_graphs: bool = True):
+                 params: dict[str, torch.dtype], scratch_slot: int, device, workspace_pages: int | None = None,
+                 pool=None, max_tiles: int = MAX_GRAPH_TILES, use_graphs: bool = True):
         self.run_model, self.backend, self.mods = run_model, backend, mods
         self.rows, self.width, self.block_size, self.num_blocks = rows, table_width, block_size, num_blocks
         self.scratch_slot, self.max_tiles, self.workspace_pages = scratch_slot, max_tiles, workspace_pages

@@ -195,14 +195,13 @@ class FlexBackend:
         self.workspace_pages: int | None = None
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def reserve_workspace(self, pages: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> int:
+    def reserve_workspace(self, pages: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> None:
         """Allocate the engine's prefill workspace (K and V, shared by every layer: they run one after
-        another) of at least `pages` pages, whole KV tiles; returns its size in bytes."""
+        another) of at least `pages` pages, whole KV tiles."""
         step = KV_TILE // math.gcd(block_size, KV_TILE)  # pages per whole number of KV tiles
         self.workspace_pages = -(-pages // step) * step
         shape = (self.workspace_pages, block_size, num_kv_heads, head_dim)
         self._workspace = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        return 2 * self._workspace[0].nbytes
 
     def gather_workspace(self, key_cache, value_cache, meta: AttentionMetadata):
         """Copy the prefilling requests' pages into the workspace: k, v as [1, Hkv, pages * P, D]."""
