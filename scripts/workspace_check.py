@@ -3,12 +3,13 @@
     python scripts/workspace_check.py
 """
 import random
+import sys
 
 import torch
 
 from flexengine.attention import paged_attention
 from flexengine.attention.workspace import gather_pages
-import sys
+
 sys.path.insert(0, "tests")
 from attention_reference import PLAIN_MASKS, dense_paged_attention, make_paged_batch  # noqa: E402
 

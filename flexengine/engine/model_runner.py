@@ -306,21 +306,19 @@ class ModelRunner:
         from ..attention.metadata import Q_TILE, choose_decode_splits
         from ..compile import bucket, decode_buckets, tile_bucket
         num_decode = sum(n == 1 for n in query_lens)
-        tiles = sum(-(-n // Q_TILE) for n in query_lens if n > 1)
+        tiles = tile_bucket(sum(-(-n // Q_TILE) for n in query_lens if n > 1))
         rows = bucket(num_decode, decode_buckets(self.config.max_num_seqs)) if num_decode else 0
-        return dict(pad_decode_to=rows, pad_tiles_to=tile_bucket(tiles),
+        return dict(pad_decode_to=rows, pad_tiles_to=tiles,
                     decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device),
-                    block_size=self.block_size, pad_workspace_to=self.workspace_bucket(query_lens, seq_lens))
+                    block_size=self.block_size, pad_workspace_to=self.workspace_bucket(query_lens, seq_lens, tiles))
 
-    def workspace_bucket(self, query_lens: list[int], seq_lens: list[int]) -> int:
-        """Workspace pages a step gathers: a mixed CUDA graph's fixed number when its contexts fit one
-        (compile/mixed_graphs.py), else just what it needs."""
-        from ..attention.metadata import Q_TILE, workspace_tokens
-        from ..compile import tile_bucket
+    def workspace_bucket(self, query_lens: list[int], seq_lens: list[int], tiles: int) -> int:
+        """Workspace pages a step of `tiles` (padded) prefill tiles gathers: a mixed CUDA graph's fixed
+        number when its contexts fit one (compile/mixed_graphs.py), else just what it needs."""
+        from ..attention.metadata import workspace_tokens
         from ..compile.mixed_graphs import MAX_GRAPH_TILES, graph_workspace_pages
         need = workspace_tokens(query_lens, seq_lens, self.block_size)
         assert need <= self.workspace_tokens, (need, self.workspace_tokens)  # the scheduler's promise
-        tiles = tile_bucket(sum(-(-n // Q_TILE) for n in query_lens if n > 1))
         graph = graph_workspace_pages(tiles, self.block_size, self.backend.workspace_pages)
         return graph if 0 < tiles <= MAX_GRAPH_TILES and need <= graph * self.block_size else 0
 
