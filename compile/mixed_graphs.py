@@ -71,34 +71,42 @@ class MixedKey:
 
 
 class MixedBuffers:
-    """One key's static inputs: a packed int64 buffer (ids, positions, slots, tables, lengths, layout)."""
+    """One key's static inputs: a packed int64 buffer (ids, positions, slots, lengths, layout, tables).
+
+    The block tables come last and column-major: a step copies only the columns its longest table
+    needs (a max_model_len-wide table of 256 rows was 16 MB per step at 131,072 tokens). Columns past
+    them hold an earlier step's pages, which no kernel reads (see MixedBuffers.fill)."""
 
     def __init__(self, key: MixedKey, rows: int, width: int, layout: StepLayout, device):
         T = key.num_tokens
-        self.sizes = {"ids": T, "positions": T, "slots": T, "tables": rows * width, "seq_lens": rows,
-                      **key.field_sizes()}
+        self.sizes = {"ids": T, "positions": T, "slots": T, "seq_lens": rows, **key.field_sizes(),
+                      "tables": rows * width}
         self.packed = torch.zeros(sum(self.sizes.values()), dtype=torch.int64, device=device)
         self.views = dict(zip(self.sizes, self.packed.split(list(self.sizes.values()))))
+        self.views["tables"] = self.views["tables"].view(width, rows).t()
         self.rows, self.width = rows, width
         # The backend reads only the layout's counts; host lists that would be stale are emptied.
         self.layout = dataclasses.replace(layout, query_lens=[], seq_lens=[], num_tokens=T, padded_tokens=True)
 
     def fill(self, ids, positions, slots, tables, seq_lens, layout: StepLayout, scratch_slot: int) -> None:
+        """Copy one step in; `tables` [rows, w] needs w <= width. A table column past a request's last
+        page is never read: page lists stop at its length, and the page map masks them (metadata.py)."""
         T, n = self.sizes["ids"], len(ids)
-        assert n <= T and tables.shape == (self.rows, self.width), (n, T, tables.shape)
+        assert n <= T and tables.shape[0] == self.rows and tables.shape[1] <= self.width, (n, T, tables.shape)
         pad = T - n
         parts = [ids, np.zeros(pad, np.int64), positions, np.zeros(pad, np.int64), slots,
-                 np.full(pad, scratch_slot, np.int64), tables.ravel(), seq_lens]
+                 np.full(pad, scratch_slot, np.int64), seq_lens]
         for name in LAYOUT_FIELDS:
             array = getattr(layout, name)
             if name == "token_row":  # per real token (and the spill row); padded tokens read row 0
                 array = np.concatenate([array[:-1], np.zeros(pad, np.int64), array[-1:]])
             assert len(array) == self.sizes[name], (name, len(array), self.sizes[name])
             parts.append(array)
+        parts.append(tables.T.ravel())
         host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
         if self.packed.is_cuda:
             host = host.pin_memory()
-        self.packed.copy_(host, non_blocking=True)
+        self.packed[: len(host)].copy_(host, non_blocking=True)
 
 
 class MixedGraphRunner:
@@ -131,7 +139,7 @@ class MixedGraphRunner:
         b = self.buffers[key]
         v = b.views
         meta = metadata_on_device(b.layout, {name: v[name] for name in LAYOUT_FIELDS},
-                                  v["tables"].view(self.rows, self.width).int(), v["seq_lens"].int(),
+                                  v["tables"].int().contiguous(), v["seq_lens"].int(),
                                   v["slots"].clone(), self.block_size, self.num_blocks, self.params)
         meta.backend = self.backend
         self.backend.prepare(meta, self.mods)

@@ -18,6 +18,7 @@ BENCH_COMMANDS = {
     "latency": ("flexengine.benchmarks.latency", "per-token decode latency at a fixed batch size"),
     "serve": ("flexengine.benchmarks.serve", "serving benchmark against an OpenAI-compatible URL"),
     "attention": ("flexengine.benchmarks.attention", "paged attention microbenchmark vs SDPA"),
+    "long-context": ("flexengine.benchmarks.long_context", "long-prompt prefill vs transformers' forward"),
 }
 
 

@@ -46,8 +46,8 @@ CPU_MAX_KV_TOKENS = 8192
 # One layer's K (or V) pool is indexed with int32 inside the FlexAttention kernels: a pool of more
 # elements than this fails to compile, so a measured cache is capped here (it only binds for tiny models).
 MAX_KV_POOL_ELEMENTS = 2 ** 31 - 1
-# A model config may advertise 128k+ positions; unless asked, serve at most this many per request.
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
+# Unasked, max_model_len is the model's max_position_embeddings; this where its config names none.
+DEFAULT_MAX_MODEL_LEN = 8192
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -60,8 +60,8 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV page
     num_kv_blocks: int | None = None      # None → sized from memory (GPU profile / CPU_KV_CACHE_BYTES)
     gpu_memory_utilization: float = 0.9
-    # None → the model's max_position_embeddings, capped at DEFAULT_MAX_MODEL_LEN_CAP and at what the KV
-    # cache holds; an explicit value the cache cannot hold is a ValueError naming the blocks needed.
+    # None → the model's max_position_embeddings, or what the KV cache holds when that is less (logged);
+    # an explicit value the cache cannot hold is a ValueError naming the blocks needed.
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS

@@ -13,7 +13,8 @@
 #   order; default the first five), ENGINE_ARGS (extra engine flags for every run, e.g.
 #   "--num-scheduler-steps 8"). The prompt-heavy comparisons (issue 15): compare_prompt_heavy is 64 prompts
 #   x 2048 tokens x 16 out (vLLM's benchmark_throughput --input-len 2048 --output-len 16), compare_long
-#   16 x 6144 x 256.
+#   16 x 6144 x 256. long_context (issue 24): prefill of 8k, 16k, 32k and 64k prompts against transformers'
+#   forward, at the engine's default max_model_len (the model's context) unless ENGINE_ARGS says otherwise.
 set -u
 OUT=${OUT:-bench_out}
 MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}
@@ -57,7 +58,7 @@ summary() {
   echo; echo "=================== e2e summary ($(( $(date +%s) - START ))s) ==================="
   printf '%s\n' "${STATUS[@]}"
   local log
-  for log in "$OUT"/throughput*.log "$OUT"/latency*.log "$OUT"/compare_*.log; do
+  for log in "$OUT"/throughput*.log "$OUT"/latency*.log "$OUT"/compare_*.log "$OUT"/long_context.log; do
     [[ -f $log ]] || continue
     echo "--- $(basename "$log" .log)"
     grep -E '^(# |Throughput:|Cold start|Graphs compiled|Avg latency|Decode:|Weight-read|Achieved|\| |flexengine / transformers|transformers generate_batch)' "$log"
@@ -87,4 +88,6 @@ want compare_prompt_heavy && run_step compare_prompt_heavy 300 "$PY" -m flexengi
   "${COMMON[@]}" --num-prompts 64 --input-len 2048 --output-len 16 --json-out "$OUT/compare_prompt_heavy.json"
 want compare_long && run_step compare_long 400 "$PY" -m flexengine.benchmarks.compare_transformers "${COMMON[@]}" \
   --num-prompts 16 --input-len 6144 --output-len 256 --json-out "$OUT/compare_long.json"
+want long_context && run_step long_context 400 "$PY" -m flexengine.benchmarks.long_context "${COMMON[@]}" \
+  --json-out "$OUT/long_context.json"
 summary

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
 # Stages: tests (pytest -m gpu), tests_attention (the attention kernels' GPU tests), attention (kernel
 # table), attention_window (the same with sliding_window(1024) + softcap(30)), compare (flexengine vs transformers
-# generate_batch, 256 x 256 x 256), prompt_heavy (the same, 64 x 2048 x 16), long (16 x 6144 x 256), throughput, latency (batch 1), eager (throughput and latency with
+# generate_batch, 256 x 256 x 256), prompt_heavy (the same, 64 x 2048 x 16), long (16 x 6144 x 256),
+# long_context (8k-64k prompts' prefill vs transformers' forward), profile_long (one 64k prefill's kernels), throughput, latency (batch 1), eager (throughput and latency with
 # --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py, with
 # PROFILE_ARGS), fa4 (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU
 # tests; later stages still run without it), flash (throughput and latency with FA4 on the path:
@@ -64,6 +65,9 @@ for stage in ${*:-tests attention compare latency}; do
     compare) e2e compare_transformers ;;
     prompt_heavy) e2e compare_prompt_heavy ;;  # 64 x 2048 in x 16 out against transformers
     long) e2e compare_long ;;                  # 16 x 6144 in x 256 out against transformers
+    long_context) e2e long_context ;;          # 8k-64k prompts' prefill against transformers' forward
+    profile_long) model && step profile_long 200 python3 scripts/profile_long_prefill.py --model "$MODEL_DIR" \
+           ${PROFILE_ARGS:-} ;;                # one 64k prompt: wall vs GPU busy, kernels by group
     throughput|latency) e2e "$stage" ;;
     eager) e2e latency_eager throughput_eager ;;
     serve) step serve 300 bash scripts/serve_bench.sh ;;  # it makes the checkpoint itself

@@ -24,10 +24,11 @@ class Sim:
     """Scheduler + block manager + a fake model runner."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, caching=True, chunk_align=1,
-                 workspace_tokens=None, workspace_align=1):
+                 workspace_tokens=None, workspace_align=1, max_prefill_tiles=None):
         self.bm = BlockManager(num_blocks, block_size, caching)
         self.sched = Scheduler(self.bm, max_num_seqs, max_tokens_per_step, chunk_align=chunk_align,
-                               workspace_tokens=workspace_tokens, workspace_align=workspace_align)
+                               workspace_tokens=workspace_tokens, workspace_align=workspace_align,
+                               max_prefill_tiles=max_prefill_tiles)
         self.shadow = Shadow(num_blocks, block_size)
         self.max_model_len = num_blocks * block_size
         self.targets = {}
@@ -61,6 +62,9 @@ class Sim:
             used = sum(-(-(s.num_computed_tokens + n) // a) * a for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1)
             assert used <= self.sched.workspace_tokens, (used, self.sched.workspace_tokens)
         align = self.sched.chunk_align
+        if self.sched.max_prefill_tiles is not None:  # the step fits the largest mixed CUDA graph
+            tiles = sum(-(-n // align) for n in batch.num_new_tokens if n > 1)
+            assert tiles <= self.sched.max_prefill_tiles, (batch.num_new_tokens, align)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert seq.status is SequenceStatus.RUNNING and n >= 1
             if n < seq.num_uncomputed_tokens:  # a chunk cut short ends on whole tiles, if it holds one
@@ -138,6 +142,22 @@ def test_chunk_cut_by_the_budget_ends_on_whole_tiles():
     assert a.token_ids == expected_tokens(range(21), 23)
 
 
+def test_prefill_chunks_stay_within_the_graph_tiles():
+    """A prompt's 2-tile remainder, then a new prompt: the budget (16 tiles of 8) would give it 14 tiles
+    and a third prompt one more (17, past the largest graph); the tile limit stops at 16."""
+    sim = Sim(num_blocks=256, block_size=4, max_num_seqs=8, max_tokens_per_step=128, chunk_align=8,
+              max_prefill_tiles=16)
+    a = sim.add(list(range(137)), 1)
+    assert sim.step().num_new_tokens == [128]
+    b, c = sim.add(list(range(200, 337)), 1), sim.add(list(range(500, 505)), 1)
+    batch = sim.step()  # a's 9 (2 tiles), b's 112 (14 tiles); 7 tokens of budget are left, no tile
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [9, 112]
+    batch = sim.step()  # a decodes; b's last 25 (4 tiles), then c whole
+    assert batch.seqs == [b, c] and batch.num_new_tokens == [25, 5]
+    sim.drain()
+    assert c.token_ids == expected_tokens(range(500, 505), 6)
+
+
 def test_prefill_contexts_stay_within_the_workspace():
     """Two long prompts with a workspace that holds one context: their chunks take turns, none is starved,
     and a short prompt still fits beside a chunk."""
@@ -205,10 +225,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.prompts = {}
 
     @rule(num_blocks=st.integers(3, 12), block_size=st.sampled_from([1, 2, 4]), max_num_seqs=st.integers(1, 5),
-          budget=st.integers(1, 12), caching=st.booleans(), chunk_align=st.sampled_from([1, 3, 4]))
+          budget=st.integers(1, 12), caching=st.booleans(), chunk_align=st.sampled_from([1, 3, 4]),
+          tiles=st.sampled_from([None, 1, 2, 4]))
     @precondition(lambda self: self.sim is None)
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, caching, chunk_align):
-        self.sim = Sim(num_blocks, block_size, max_num_seqs, budget, caching, chunk_align)
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, caching, chunk_align, tiles):
+        self.sim = Sim(num_blocks, block_size, max_num_seqs, budget, caching, chunk_align, max_prefill_tiles=tiles)
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4], [3, 3]]),
           suffix=st.lists(st.integers(0, 4), max_size=5), max_new=st.integers(1, 6))

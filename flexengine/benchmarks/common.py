@@ -22,7 +22,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest request in tokens, prompt and output (default: the model's, capped by the engine)")
+                   help="longest request in tokens, prompt and output (default: the model's context, or what the "
+                        "KV cache holds when that is less)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (default: sized from memory)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (None: the engine's 16)")
     p.add_argument("--attention-backend", default=None, help="flex | flash | reference | auto")

@@ -22,7 +22,7 @@ from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
 from ..attention.metadata import AttentionMetadata, StepLayout, build_metadata, plan_layout, to_device
 from ..compile import fused_elementwise
-from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN_CAP, MAX_KV_POOL_ELEMENTS,
+from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, MAX_KV_POOL_ELEMENTS,
                       EngineConfig)
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .layer_mods import apply_mod_overrides, mod_params
@@ -162,9 +162,8 @@ class ModelRunner:
         return getattr(text_config(self.hf_config), "max_position_embeddings", None)
 
     def wanted_max_model_len(self) -> int:
-        """The asked-for length, else the model's, capped: max_model_len unless the cache holds less."""
-        model_max = self.model_max_len()
-        return self.config.max_model_len or min(model_max or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
+        """The asked-for length, else the model's whole context: max_model_len unless the cache holds less."""
+        return self.config.max_model_len or self.model_max_len() or DEFAULT_MAX_MODEL_LEN
 
     def plan_workspace_tokens(self) -> int:
         """The prefill workspace: one request of the longest context and a full step beside it, and at least
@@ -176,7 +175,8 @@ class ModelRunner:
         return max(contexts, KV_TILE * max_prefill_tiles(cfg.max_num_batched_tokens, cfg.max_num_seqs))
 
     def choose_max_model_len(self) -> int:
-        """The asked-for length (checked against the model and the cache), else the model's, capped."""
+        """The asked-for length (checked against the model and the cache), else the model's, or the most
+        the cache holds (vLLM's rule, except that vLLM fails where this says what it chose)."""
         model_max, capacity = self.model_max_len(), self.num_blocks * self.block_size
         asked = self.config.max_model_len
         if asked is not None:
@@ -267,7 +267,9 @@ class ModelRunner:
         req = np.repeat(np.arange(R), query_lens)
         ends = np.cumsum(query_lens)
         positions = np.repeat(starts, query_lens) + np.arange(T) - np.repeat(ends - query_lens, query_lens)
-        width = max(max(len(s.block_table) for s in seqs), getattr(self, "table_width", 0))
+        # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long
+        # contexts. The device side widens it where a fixed shape needs that (prepare_step).
+        width = max(len(s.block_table) for s in seqs)
         # With static shapes every per-request tensor the kernels read has max_num_seqs rows (padding:
         # length 0, no pages), so the request count never changes a compiled shape.
         rows = max(R, self.config.max_num_seqs) if self.static_shapes else R
@@ -289,7 +291,11 @@ class ModelRunner:
         """pack_step (unless given), then the device half: one transfer per array, the metadata built once."""
         p = packed or self.pack_step(batch)
         num_blocks = self.layers[0].k_cache.shape[0]  # the attached cache (a scratch one while profiling)
-        meta = build_metadata(self.to_device(p.tables), self.to_device(p.seq_lens), self.to_device(p.slots),
+        tables = self.to_device(p.tables)
+        width = getattr(self, "table_width", 0)  # unset while profiling
+        if self.static_shapes and tables.shape[1] < width:  # one compiled shape whatever the step's tables
+            tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+        meta = build_metadata(tables, self.to_device(p.seq_lens), self.to_device(p.slots),
                               p.layout, self.block_size, num_blocks, self.attention_params(batch.seqs, len(p.seq_lens)))
         meta.backend = self.backend
         self.backend.prepare(meta, self.mods)
@@ -321,6 +327,15 @@ class ModelRunner:
         assert need <= self.workspace_tokens, (need, self.workspace_tokens)  # the scheduler's promise
         graph = graph_workspace_pages(tiles, self.block_size, self.backend.workspace_pages)
         return graph if 0 < tiles <= MAX_GRAPH_TILES and need <= graph * self.block_size else 0
+
+    def graph_prefill_tiles(self) -> int | None:
+        """Query tiles the scheduler keeps a step's prefill chunks within: the largest mixed CUDA graph's,
+        when a full step of the token budget fits one (else a limit would only shrink steps)."""
+        from ..attention.metadata import Q_TILE
+        g = self.mixed_graphs
+        if g is None or not g.use_graphs or -(-self.config.max_num_batched_tokens // Q_TILE) > g.max_tiles:
+            return None
+        return g.max_tiles
 
     def attention_params(self, seqs: list[Sequence], rows: int = 0) -> dict[str, torch.Tensor]:
         """Per-request mod parameters (SamplingParams.attention_params) as [max(R, rows)] tensors.
