@@ -7,7 +7,8 @@ of host time for 6 ms of GPU work when one 256-token prompt joins 32 decoding re
 A graph's shapes are fixed by the step's layout buckets (decode rows, their split-KV count, prefill
 tiles): the tokens are padded to `num_decode + num_tiles * Q_TILE`, padded tokens write their K/V to
 the scratch slot, and the page lists and BlockMasks are built on the device inside the graph from
-static buffers, as in the decode graphs. The host packs the step into ONE array and copies it in.
+static buffers, as in the decode graphs. The host packs the step into one array and copies it in, with
+the block tables beside it.
 The engine captures every key at start-up (compile/warmup.capture_mixed_graphs); a key met later
 anyway is captured then (that step runs the same code eagerly and uses its result). Steps with more
 than `max_tiles` prefill tiles run without a graph: their launches are spread over many tokens.
@@ -71,28 +72,19 @@ class MixedKey:
 
 
 class MixedBuffers:
-    """One key's static inputs: a packed int64 buffer (ids, positions, slots, lengths, layout, tables).
+    """One key's static inputs: a packed int64 buffer (ids, positions, slots, lengths, layout)."""
 
-    The block tables come last and column-major: a step copies only the columns its longest table
-    needs (a max_model_len-wide table of 256 rows was 16 MB per step at 131,072 tokens). Columns past
-    them hold an earlier step's pages, which no kernel reads (see MixedBuffers.fill)."""
-
-    def __init__(self, key: MixedKey, rows: int, width: int, layout: StepLayout, device):
+    def __init__(self, key: MixedKey, rows: int, layout: StepLayout, device):
         T = key.num_tokens
-        self.sizes = {"ids": T, "positions": T, "slots": T, "seq_lens": rows, **key.field_sizes(),
-                      "tables": rows * width}
+        self.sizes = {"ids": T, "positions": T, "slots": T, "seq_lens": rows, **key.field_sizes()}
         self.packed = torch.zeros(sum(self.sizes.values()), dtype=torch.int64, device=device)
         self.views = dict(zip(self.sizes, self.packed.split(list(self.sizes.values()))))
-        self.views["tables"] = self.views["tables"].view(width, rows).t()
-        self.rows, self.width = rows, width
         # The backend reads only the layout's counts; host lists that would be stale are emptied.
         self.layout = dataclasses.replace(layout, query_lens=[], seq_lens=[], num_tokens=T, padded_tokens=True)
 
-    def fill(self, ids, positions, slots, tables, seq_lens, layout: StepLayout, scratch_slot: int) -> None:
-        """Copy one step in; `tables` [rows, w] needs w <= width. A table column past a request's last
-        page is never read: page lists stop at its length, and the page map masks them (metadata.py)."""
+    def fill(self, ids, positions, slots, seq_lens, layout: StepLayout, scratch_slot: int) -> None:
         T, n = self.sizes["ids"], len(ids)
-        assert n <= T and tables.shape[0] == self.rows and tables.shape[1] <= self.width, (n, T, tables.shape)
+        assert n <= T, (n, T)
         pad = T - n
         parts = [ids, np.zeros(pad, np.int64), positions, np.zeros(pad, np.int64), slots,
                  np.full(pad, scratch_slot, np.int64), seq_lens]
@@ -102,11 +94,15 @@ class MixedBuffers:
                 array = np.concatenate([array[:-1], np.zeros(pad, np.int64), array[-1:]])
             assert len(array) == self.sizes[name], (name, len(array), self.sizes[name])
             parts.append(array)
-        parts.append(tables.T.ravel())
-        host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
-        if self.packed.is_cuda:
-            host = host.pin_memory()
-        self.packed[: len(host)].copy_(host, non_blocking=True)
+        copy_in(self.packed, np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+
+
+def copy_in(buffer: torch.Tensor, host: np.ndarray) -> None:
+    """Copy a host array into the start of a static device buffer (from pinned memory on CUDA)."""
+    t = torch.from_numpy(host)
+    if buffer.is_cuda:
+        t = t.pin_memory()
+    buffer[: t.numel()].copy_(t, non_blocking=True)
 
 
 class MixedGraphRunner:
@@ -124,6 +120,11 @@ class MixedGraphRunner:
         with torch.inference_mode():
             self.params = {name: torch.zeros(rows, dtype=dtype, device=self.device) for name, dtype in params.items()}
         self.buffers: dict[MixedKey, MixedBuffers] = {}
+        # Block tables, shared by every key, column-major: a step copies only the columns its longest
+        # table needs (max_model_len-wide rows were 16 MB per key at 131,072 tokens). Columns past them
+        # hold an earlier step's pages, which nothing reads: page lists stop at a request's length and
+        # the page map masks the rest (attention/metadata.py).
+        self.tables_WR = torch.zeros(table_width * rows, dtype=torch.int32, device=self.device)
         self.graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[MixedKey, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -139,7 +140,7 @@ class MixedGraphRunner:
         b = self.buffers[key]
         v = b.views
         meta = metadata_on_device(b.layout, {name: v[name] for name in LAYOUT_FIELDS},
-                                  v["tables"].int().contiguous(), v["seq_lens"].int(),
+                                  self.tables_WR.view(self.width, self.rows).t().contiguous(), v["seq_lens"].int(),
                                   v["slots"].clone(), self.block_size, self.num_blocks, self.params)
         meta.backend = self.backend
         self.backend.prepare(meta, self.mods)
@@ -153,8 +154,10 @@ class MixedGraphRunner:
         feed(input_ids): writes input ids known only on the device (async scheduling) into the buffer."""
         key = MixedKey.of(layout)
         if key not in self.buffers:
-            self.buffers[key] = MixedBuffers(key, self.rows, self.width, layout, self.device)
-        self.buffers[key].fill(ids, positions, slots, tables, seq_lens, layout, self.scratch_slot)
+            self.buffers[key] = MixedBuffers(key, self.rows, layout, self.device)
+        self.buffers[key].fill(ids, positions, slots, seq_lens, layout, self.scratch_slot)
+        assert tables.shape[0] == self.rows and tables.shape[1] <= self.width, (tables.shape, self.rows, self.width)
+        copy_in(self.tables_WR, np.ascontiguousarray(tables.T).ravel())
         if feed is not None:
             feed(self.buffers[key].views["ids"])
         for name, buf in self.params.items():

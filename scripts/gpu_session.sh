@@ -66,6 +66,10 @@ for stage in ${*:-tests attention compare latency}; do
     prompt_heavy) e2e compare_prompt_heavy ;;  # 64 x 2048 in x 16 out against transformers
     long) e2e compare_long ;;                  # 16 x 6144 in x 256 out against transformers
     long_context) e2e long_context ;;          # 8k-64k prompts' prefill against transformers' forward
+    sweep) step flex_sweep 330 env ${FA4_PATH:+PYTHONPATH=$FA4_PATH} python3 scripts/flex_prefill_sweep.py \
+           --json "$OUT/flex_sweep.json" ;;   # prefill kernel options (FA4 too after the fa4 stage)
+    prompt_heavy_tp) model && step prompt_heavy_tp 200 python3 -m flexengine.cli bench throughput --model "$MODEL_DIR" \
+           --dtype bfloat16 --num-prompts 64 --input-len 2048 --output-len 16 ${ENGINE_ARGS:-} ;;  # flexengine alone
     profile_long) model && step profile_long 200 python3 scripts/profile_long_prefill.py --model "$MODEL_DIR" \
            ${PROFILE_ARGS:-} ;;                # one 64k prompt: wall vs GPU busy, kernels by group
     throughput|latency) e2e "$stage" ;;

@@ -80,9 +80,19 @@ def as_requests(prompts: list[list[int]]) -> list[dict]:
 
 
 def build_llm(args):
-    """(LLM, seconds to construct it): load + whatever compile/capture the engine does up front."""
+    """(LLM, seconds to construct it): load + whatever compile/capture the engine does up front. The
+    engine's INFO lines (KV cache size, warm-up and capture times) go to stderr, as vLLM's do."""
+    import logging
     from flexengine import LLM
-    return timed(LLM, **engine_kwargs(args))
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("flexengine").setLevel(logging.INFO)
+    llm, seconds = timed(LLM, **engine_kwargs(args))
+    if torch.cuda.is_available():
+        print(f"GPU memory after start-up: {torch.cuda.memory_allocated() / 2 ** 30:.2f} GiB allocated, "
+              f"{torch.cuda.memory_reserved() / 2 ** 30:.2f} GiB reserved, of "
+              f"{torch.cuda.get_device_properties(0).total_memory / 2 ** 30:.2f} GiB", flush=True)
+    return llm, seconds
 
 
 def warm_up(llm, input_len: int, seed: int, num_prompts: int = 4, output_len: int = 4) -> float:

@@ -174,6 +174,10 @@ def merge_splits(out_BSHD: torch.Tensor, lse_BSH: torch.Tensor) -> torch.Tensor:
     return (w[..., None] * out_BSHD.float()).sum(1) / total[..., None]
 
 
+# kernel_options of the compiled prefill call over the workspace (scripts/flex_prefill_sweep.py measures them).
+PREFILL_KERNEL_OPTIONS: dict = {}
+
+
 @functools.cache
 def _compiled_flex():
     # Eager flex materialises the whole score matrix; on a GPU only the compiled kernel is acceptable,
@@ -194,6 +198,8 @@ class FlexBackend:
         # prefill kernel's KV length never changes; None sizes it to each call (functional API).
         self.workspace_pages: int | None = None
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        # kernel_options of the prefill call (the Triton template's defaults when empty); a benchmark's knob
+        self.prefill_options: dict = dict(PREFILL_KERNEL_OPTIONS)
 
     def reserve_workspace(self, pages: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> None:
         """Allocate the engine's prefill workspace (K and V, shared by every layer: they run one after
@@ -342,7 +348,8 @@ class FlexBackend:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
             kw, vw = self.gather_workspace(key_cache, value_cache, meta)
             qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
-            op = flex(qp, kw, vw, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa)
+            op = flex(qp, kw, vw, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa,
+                      kernel_options=self.prefill_options or None)
             out = op[0].transpose(0, 1)[meta.token_row]
         else:
             out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)
