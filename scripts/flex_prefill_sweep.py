@@ -20,10 +20,13 @@ from flexengine.attention.backends import flex as flex_backend
 from flexengine.benchmarks.attention import bench, flex_times, parse_mods
 
 CONFIGS = {
-    "default": {},
+    "engine": None,  # the engine's choice by head size (flex.prefill_kernel_options)
+    "default": {},  # the Triton template's defaults
     "warps8": {"num_warps": 8},
     "stages2": {"num_stages": 2},
     "stages4": {"num_stages": 4},
+    "stages1": {"num_stages": 1},
+    "warps8_stages2": {"num_warps": 8, "num_stages": 2},
     "tma": {"USE_TMA": True},
     "m128n64w8": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
     "safe_rows": {"ROWS_GUARANTEED_SAFE": True},
@@ -33,7 +36,9 @@ CONFIGS = {
 CASES = {
     "d64_chunk2048_ctx32k": (32, 8, 64, [2048], [32768]),
     "d64_1x16k": (32, 8, 64, [16384], [16384]),
+    "d64_8x1024": (32, 8, 64, [1024] * 8, [1024] * 8),
     "d128_2x4096": (32, 8, 128, [4096] * 2, [4096] * 2),
+    "d128_chunk2048_ctx32k": (32, 8, 128, [2048], [32768]),
 }
 
 
@@ -63,8 +68,7 @@ def main() -> None:
         print(f"{case}: SDPA flash {base:.0f} µs", flush=True)
         for name in args.configs.split(","):
             torch._dynamo.reset()
-            flex_backend.PREFILL_KERNEL_OPTIONS.clear()
-            flex_backend.PREFILL_KERNEL_OPTIONS.update(CONFIGS[name])
+            flex_backend.PREFILL_KERNEL_OPTIONS = CONFIGS[name]
             try:
                 us, _ = flex_times(sl, ql, args.page, Hq, Hkv, D, torch.device("cuda"), mods)
             except Exception as e:  # an option this torch or GPU cannot take: reported, and the sweep goes on

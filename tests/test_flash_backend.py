@@ -228,7 +228,7 @@ def make_step(seq_lens, query_lens, block_size, Hq=4, Hkv=2, D=64, seed=0, engin
         slots = torch.cat([tables_t[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
                            for i, n in enumerate(query_lens)])
     meta = build_metadata(tables_t, torch.tensor(seq_lens, dtype=torch.int32), slots,
-                          plan_layout(query_lens, seq_lens), block_size, kc.shape[0])
+                          plan_layout(query_lens, seq_lens, block_size=block_size), block_size, kc.shape[0])
     return q, kc, vc, meta
 
 

@@ -174,8 +174,16 @@ def merge_splits(out_BSHD: torch.Tensor, lse_BSH: torch.Tensor) -> torch.Tensor:
     return (w[..., None] * out_BSHD.float()).sum(1) / total[..., None]
 
 
-# kernel_options of the compiled prefill call over the workspace (scripts/flex_prefill_sweep.py measures them).
-PREFILL_KERNEL_OPTIONS: dict = {}
+# kernel_options of the compiled prefill call over the workspace; None: prefill_kernel_options(head_dim).
+# scripts/flex_prefill_sweep.py sets it to measure others.
+PREFILL_KERNEL_OPTIONS: dict | None = None
+
+
+def prefill_kernel_options(head_dim: int) -> dict:
+    """Two pipeline stages instead of the template's three at head size 64: on the H100 (torch 2.11) a
+    2,048-token chunk over a 32k prefix went from 0.87x to 1.10x SDPA flash, a whole 16k prompt from
+    0.81x to 1.08x; at 128 three stages stay best (0.98x against 0.89x). docs/benchmarks.md, session 9."""
+    return {"num_stages": 2} if head_dim <= 64 else {}
 
 
 @functools.cache
@@ -198,8 +206,8 @@ class FlexBackend:
         # prefill kernel's KV length never changes; None sizes it to each call (functional API).
         self.workspace_pages: int | None = None
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        # kernel_options of the prefill call (the Triton template's defaults when empty); a benchmark's knob
-        self.prefill_options: dict = dict(PREFILL_KERNEL_OPTIONS)
+        # kernel_options of the prefill call (None: chosen by head size); a benchmark's knob
+        self.prefill_options = None if PREFILL_KERNEL_OPTIONS is None else dict(PREFILL_KERNEL_OPTIONS)
 
     def reserve_workspace(self, pages: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> None:
         """Allocate the engine's prefill workspace (K and V, shared by every layer: they run one after
@@ -349,7 +357,8 @@ class FlexBackend:
             kw, vw = self.gather_workspace(key_cache, value_cache, meta)
             qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
             op = flex(qp, kw, vw, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa,
-                      kernel_options=self.prefill_options or None)
+                      kernel_options=self.prefill_options if self.prefill_options is not None
+                      else prefill_kernel_options(D))
             out = op[0].transpose(0, 1)[meta.token_row]
         else:
             out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)
