@@ -48,7 +48,8 @@ def _live_coords(meta: AttentionMetadata, decode: bool, req, q_pos, lkv):
         req = torch.where(meta.seq_lens[req] > 0, req, 0)
         last = (meta.seq_lens[req] - 1).clamp(min=0)  # 0 only while a graph is captured over empty buffers
         return req, last, torch.minimum(lkv, last)
-    return req, q_pos, torch.minimum(lkv, meta.seq_lens[req] - 1)
+    last = meta.seq_lens[req] - 1
+    return req, q_pos, torch.where(lkv < last, lkv, last)  # a min FA4's CuTe code generator can express
 
 
 def _logical_kv(meta: AttentionMetadata, req, kv_idx, listed_only: bool):
@@ -221,7 +222,9 @@ class FlexBackend:
         """Copy the prefilling requests' pages into the workspace: k, v as [1, Hkv, pages * P, D]."""
         W = len(meta.ws_src)
         if self._workspace is None or self.workspace_pages is None:
-            ks, vs = key_cache.new_empty(W, *key_cache.shape[1:]), value_cache.new_empty(W, *value_cache.shape[1:])
+            # zeros: a KV tile also reads the uncopied pages of its request's alignment tail, whose V is
+            # multiplied by a zero probability (garbage NaN there would survive it)
+            ks, vs = key_cache.new_zeros(W, *key_cache.shape[1:]), value_cache.new_zeros(W, *value_cache.shape[1:])
         else:
             ks, vs = self._workspace
             assert W <= len(ks) and ks.shape[1:] == key_cache.shape[1:] and ks.dtype == key_cache.dtype, \
