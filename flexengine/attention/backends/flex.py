@@ -70,11 +70,10 @@ def _logical_kv(meta: AttentionMetadata, req, kv_idx, listed_only: bool):
     return lkv, live
 
 
-def _workspace_kv(meta: AttentionMetadata, req, q_idx, kv_idx, listed_only: bool):
-    """Workspace index → (logical kv position, whether it is a live token of request `req`). The lists
-    hold only the request's own KV tiles; a kernel that reads past them (Inductor's CPU template) could
-    meet the previous request's tail, hence the lower bound there."""
-    lkv = kv_idx - meta.prefill_kv0[q_idx]
+def _workspace_kv(meta: AttentionMetadata, req, lkv, listed_only: bool):
+    """Logical kv position (workspace index less the request's start) → (it, whether it is a live token
+    of request `req`). The lists hold only the request's own KV tiles; a kernel that reads past them
+    (Inductor's CPU template) could meet the previous request's tail, hence the lower bound there."""
     live = lkv < meta.seq_lens[req]
     if not listed_only:
         live = live & (lkv >= 0)
@@ -97,15 +96,24 @@ def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: boo
     values = param_values(meta, mask_mod, MASK_ARGS)
     assert not (decode and workspace)
 
+    rows = _prefill_rows(meta) if workspace else None
+
     def mask(b, h, q_idx, kv_idx):
-        req, q_pos = _query(meta, decode, b, q_idx)
         if workspace:
-            lkv, live = _workspace_kv(meta, req, q_idx, kv_idx, listed_only)
+            req, q_pos, kv0 = rows[0][q_idx], rows[1][q_idx], rows[2][q_idx]
+            lkv, live = _workspace_kv(meta, req, kv_idx - kv0, listed_only)
         else:
+            req, q_pos = _query(meta, decode, b, q_idx)
             lkv, live = _logical_kv(meta, req, kv_idx, listed_only)
         req, q_pos, lkv = _live_coords(meta, decode, req, q_pos, lkv)
         return live & mask_mod(req, h, q_pos, lkv, *values)
     return mask
+
+
+def _prefill_rows(meta: AttentionMetadata):
+    """Each prefill row's request, position and workspace start, as int32: the index arithmetic of the
+    mods then stays in 32 bits, as FlashAttention-4's CuTe code generator requires (it refused int64)."""
+    return meta.prefill_req.int(), meta.prefill_pos.int(), meta.prefill_kv0.int()
 
 
 def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: bool = False):
@@ -114,11 +122,13 @@ def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: boo
     values = param_values(meta, score_mod, SCORE_ARGS)
     P = meta.block_size
 
+    rows = _prefill_rows(meta) if workspace else None
+
     def score(s, b, h, q_idx, kv_idx):
-        req, q_pos = _query(meta, decode, b, q_idx)
         if workspace:
-            lkv = kv_idx - meta.prefill_kv0[q_idx]
+            req, q_pos, lkv = rows[0][q_idx], rows[1][q_idx], kv_idx - rows[2][q_idx]
         else:
+            req, q_pos = _query(meta, decode, b, q_idx)
             lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
         req, q_pos, lkv = _live_coords(meta, decode, req, q_pos, lkv)
         return score_mod(s, req, h, q_pos, lkv, *values)
