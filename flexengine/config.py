@@ -15,6 +15,19 @@ def env_attention_backend() -> str | None:
     return value or None
 
 
+FLEX_PREFILL_ENV = "FLEXENGINE_FLEX_PREFILL"
+FLEX_PREFILL_KERNELS = ("auto", "triton", "flash")
+
+
+def env_flex_prefill_kernel() -> str:
+    """The kernel of flex's compiled prefill call: auto (FlashAttention-4 where installed, else Triton),
+    triton or flash, from FLEXENGINE_FLEX_PREFILL (attention/backends/prefill_kernel.py)."""
+    value = os.environ.get(FLEX_PREFILL_ENV, "").strip().lower() or "auto"
+    if value not in FLEX_PREFILL_KERNELS:
+        raise ValueError(f"{FLEX_PREFILL_ENV} must be one of {', '.join(FLEX_PREFILL_KERNELS)}, got {value!r}")
+    return value
+
+
 def env_api_key() -> str | None:
     """The server's bearer token from FLEXENGINE_API_KEY (used when --api-key is not given)."""
     return os.environ.get("FLEXENGINE_API_KEY") or None

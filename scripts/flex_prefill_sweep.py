@@ -16,11 +16,11 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
-from flexengine.attention.backends import flex as flex_backend
+from flexengine.attention.backends import prefill_kernel
 from flexengine.benchmarks.attention import bench, flex_times, parse_mods
 
 CONFIGS = {
-    "engine": None,  # the engine's choice by head size (flex.prefill_kernel_options)
+    "engine": None,  # the engine's choice (attention/backends/prefill_kernel.py: FA4 where installed)
     "default": {},  # the Triton template's defaults
     "warps8": {"num_warps": 8},
     "stages2": {"num_stages": 2},
@@ -68,7 +68,7 @@ def main() -> None:
         print(f"{case}: SDPA flash {base:.0f} µs", flush=True)
         for name in args.configs.split(","):
             torch._dynamo.reset()
-            flex_backend.PREFILL_KERNEL_OPTIONS = CONFIGS[name]
+            prefill_kernel.PREFILL_KERNEL_OPTIONS = CONFIGS[name]
             try:
                 us, _ = flex_times(sl, ql, args.page, Hq, Hkv, D, torch.device("cuda"), mods)
             except Exception as e:  # an option this torch or GPU cannot take: reported, and the sweep goes on

@@ -1,5 +1,7 @@
 """paged_attention against the plain dense reference, over drawn layouts, lengths and mods."""
+import contextlib
 import math
+import os
 import random
 
 import pytest
@@ -138,6 +140,73 @@ def test_flex_bf16_on_gpu(case):
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
+@contextlib.contextmanager
+def flex_prefill(kernel: str):
+    """FLEXENGINE_FLEX_PREFILL for the backends made inside (paged_attention makes one per call)."""
+    from flexengine.config import FLEX_PREFILL_ENV
+    before = os.environ.get(FLEX_PREFILL_ENV)
+    os.environ[FLEX_PREFILL_ENV] = kernel
+    try:
+        yield
+    finally:
+        os.environ.pop(FLEX_PREFILL_ENV) if before is None else os.environ.__setitem__(FLEX_PREFILL_ENV, before)
+
+
+def fa4_reason():
+    from flexengine.attention.backends.prefill_kernel import fa4_unsupported_reason
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    return fa4_unsupported_reason(torch.empty(1, 1, 1, 64, dtype=torch.bfloat16, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches(max_len=300))
+def test_flex_triton_prefill_bf16_on_gpu(case):
+    """The Triton template forced, whatever else is installed (the FA4 path has its own tests)."""
+    with flex_prefill("triton"):
+        out, ref = run_case(case, "flex", dtype=torch.bfloat16, device="cuda")
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def document_mask(max_len=4096, doc_len=37):
+    doc = (torch.arange(max_len, device="cuda") // doc_len).int()
+
+    def same_document(b, h, q_idx, kv_idx):  # attention-gym's shape of mod: a captured tensor, indexed
+        return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
+    return same_document, (lambda b, h, q, kv: kv <= q and q // doc_len == kv // doc_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(fa4_reason() is not None, reason=f"FlashAttention-4 cannot run here: {fa4_reason()}")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("mods", ["causal", "window_softcap", "document"])
+def test_flex_fa4_prefill_on_gpu(mods, D):
+    """FA4 through flex's FLASH backend, asked for by name (no fallback): mixed decode/chunk/prefill
+    steps at pages of 16 and 128 against the dense reference."""
+    if mods == "causal":
+        mask, plain, score, plain_score = "causal", PLAIN_MASKS["causal"], None, None
+    elif mods == "window_softcap":
+        mask, plain = masks.sliding_window(100), PLAIN_MASKS["sliding_window"](100)
+        score = masks.softcap(30.0)
+        plain_score = lambda s, b, h, q, kv: 30.0 * math.tanh(s / 30.0)  # noqa: E731
+    else:
+        (mask, plain), score, plain_score = document_mask(), None, None
+    for block_size, seq_lens, query_lens in [(16, [700, 1, 300, 129, 1000], [1, 1, 45, 129, 300]),
+                                             (128, [2000, 333], [2000, 100])]:
+        rng = random.Random(block_size)
+        q, kc, vc, tables = make_paged_batch(rng, seq_lens, query_lens, block_size, 8, 2, D,
+                                             dtype=torch.bfloat16, device="cuda")
+        with flex_prefill("flash"):
+            out = paged_attention(q, kc, vc, torch.tensor(tables, dtype=torch.int32, device="cuda"),
+                                  torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                                  torch.tensor(query_lens, dtype=torch.int32, device="cuda"),
+                                  mask_mod=mask, score_mod=score, backend="flex")
+        ref = dense_paged_attention(q, kc, vc, tables, seq_lens, query_lens, plain, plain_score)
+        torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("splits", [2, 3, 8])
 def test_split_kv_decode_matches_dense_reference(splits):
     """Decode rows split over slices of their pages and merged by log-sum-exp (the GPU's long-context path)."""
@@ -154,3 +223,26 @@ def test_split_kv_decode_matches_dense_reference(splits):
         ref = dense_paged_attention(q, kc, vc, tables, seq_lens, query_lens, plain,
                                     lambda s, b, h, qq, kv: 3.0 * math.tanh(s / 3.0), scale=0.25)
         torch.testing.assert_close(out.double(), ref, atol=3e-4, rtol=3e-4)
+
+
+def test_flex_prefill_kernel_choice(caplog):
+    """FLEXENGINE_FLEX_PREFILL: a bad value names the choices; flash asked for where FA4 cannot run is a
+    ValueError saying why; auto falls back to Triton once FA4 refuses a mod, and says so."""
+    from flexengine.attention.backends.prefill_kernel import PrefillKernel
+    q = torch.zeros(1, 2, 128, 64)
+    with flex_prefill("fast"), pytest.raises(ValueError, match="auto, triton, flash"):
+        PrefillKernel()
+    with flex_prefill("flash"), pytest.raises(ValueError, match="FLEXENGINE_FLEX_PREFILL=flash, but FA4 needs a CUDA"):
+        PrefillKernel().options(q)
+    with flex_prefill("auto"):
+        kernel = PrefillKernel()
+    assert kernel.options(q) == {} and kernel.flash is False  # CPU: Inductor's own template
+    kernel.flash = True  # as on a GPU with FA4 installed
+    with caplog.at_level("WARNING", logger="flexengine"):
+        assert kernel.refused(RuntimeError("CuteDSL template failed: =====\nUNSUPPORTED CUTEDSL OPERATION: 'minimum'"))
+    assert kernel.flash is False and "UNSUPPORTED CUTEDSL OPERATION: 'minimum'" in caplog.text
+    assert not kernel.refused(RuntimeError("a Triton failure"))  # not FA4's: propagates
+    with flex_prefill("flash"):
+        forced = PrefillKernel()
+    forced.flash = True
+    assert not forced.refused(RuntimeError("x"))  # asked for by name: propagates

@@ -24,6 +24,7 @@ except ImportError:
 from ...compile import configure_dynamo, fused
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
 from ..workspace import gather_pages
+from .prefill_kernel import PrefillKernel
 from ..metadata import (KV_TILE, Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists)
 
 
@@ -185,18 +186,6 @@ def merge_splits(out_BSHD: torch.Tensor, lse_BSH: torch.Tensor) -> torch.Tensor:
     return (w[..., None] * out_BSHD.float()).sum(1) / total[..., None]
 
 
-# kernel_options of the compiled prefill call over the workspace; None: prefill_kernel_options(head_dim).
-# scripts/flex_prefill_sweep.py sets it to measure others.
-PREFILL_KERNEL_OPTIONS: dict | None = None
-
-
-def prefill_kernel_options(head_dim: int) -> dict:
-    """Two pipeline stages instead of the template's three at head size 64: on the H100 (torch 2.11) a
-    2,048-token chunk over a 32k prefix went from 0.87x to 1.10x SDPA flash, a whole 16k prompt from
-    0.81x to 1.08x; at 128 three stages stay best (0.98x against 0.89x). docs/benchmarks.md, session 9."""
-    return {"num_stages": 2} if head_dim <= 64 else {}
-
-
 @functools.cache
 def _compiled_flex():
     # Eager flex materialises the whole score matrix; on a GPU only the compiled kernel is acceptable,
@@ -217,8 +206,7 @@ class FlexBackend:
         # prefill kernel's KV length never changes; None sizes it to each call (functional API).
         self.workspace_pages: int | None = None
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        # kernel_options of the prefill call (None: chosen by head size); a benchmark's knob
-        self.prefill_options = None if PREFILL_KERNEL_OPTIONS is None else dict(PREFILL_KERNEL_OPTIONS)
+        self.prefill_kernel = PrefillKernel()  # FA4 or Triton for the compiled prefill call
 
     def reserve_workspace(self, pages: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> None:
         """Allocate the engine's prefill workspace (K and V, shared by every layer: they run one after
@@ -342,6 +330,18 @@ class FlexBackend:
             out.index_copy_(0, meta.decode_dst, od.squeeze(2))
         return out[:T]
 
+    def prefill(self, flex, q, k, v, score_mod, block_mask, scale, gqa):
+        """The prefill tiles' flex call, on FA4 or the Triton template (prefill_kernel.py)."""
+        options = self.prefill_kernel.options(q)
+        try:
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                        kernel_options=options)
+        except Exception as e:  # FA4's code generator refusing a mod: auto falls back, and says so once
+            if not self.prefill_kernel.refused(e):
+                raise
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                    kernel_options=self.prefill_kernel.options(q))
+
     def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, mask_mod, score_mod, scale):
         T, Hq, D = query.shape
         NB, P, Hkv, _ = key_cache.shape
@@ -369,9 +369,7 @@ class FlexBackend:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
             kw, vw = self.gather_workspace(key_cache, value_cache, meta)
             qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
-            op = flex(qp, kw, vw, score_mod=pre_sm, block_mask=pre_bm, scale=scale, enable_gqa=gqa,
-                      kernel_options=self.prefill_options if self.prefill_options is not None
-                      else prefill_kernel_options(D))
+            op = self.prefill(flex, qp, kw, vw, pre_sm, pre_bm, scale, gqa)
             out = op[0].transpose(0, 1)[meta.token_row]
         else:
             out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)

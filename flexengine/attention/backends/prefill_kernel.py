@@ -1,0 +1,93 @@
+"""Which kernel serves the compiled flex prefill call over the workspace, and with which options.
+
+FlexAttention compiles the paged mods either into its Triton template or, with
+`kernel_options={"BACKEND": "FLASH"}` (torch >= 2.10 with flash-attn-4's CuTe DSL installed), into
+FlashAttention-4, which iterates the same block-sparse lists. On the H100 FA4 ran a 2,048-token chunk
+over a 32k prefix at 1.49x SDPA flash where the Triton template reached 1.08x (docs/benchmarks.md,
+session 9). `FLEXENGINE_FLEX_PREFILL` chooses: auto (FA4 where it is installed and the GPU, dtype and
+head size fit, else Triton, said once), triton, or flash (an error where FA4 cannot serve).
+A mod FA4's code generator cannot compile sends auto to Triton for good, with one warning naming why.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+
+from ...config import env_flex_prefill_kernel
+
+logger = logging.getLogger(__name__)
+
+# kernel_options of the Triton prefill call; None: triton_options(head_dim). Benchmarks set it
+# (scripts/flex_prefill_sweep.py); {"BACKEND": "FLASH"} there asks for FA4 as well.
+PREFILL_KERNEL_OPTIONS: dict | None = None
+FLASH_OPTIONS = {"BACKEND": "FLASH"}
+
+
+def triton_options(head_dim: int) -> dict:
+    """Two pipeline stages instead of the template's three at head size 64: on the H100 (torch 2.11) a
+    2,048-token chunk over a 32k prefix went from 0.87x to 1.10x SDPA flash, a whole 16k prompt from
+    0.81x to 1.08x; at 128 three stages stay best (0.98x against 0.89x). docs/benchmarks.md, session 9."""
+    return {"num_stages": 2} if head_dim <= 64 else {}
+
+
+@functools.cache
+def fa4_installed() -> str | None:
+    """None when flex can compile into FA4 here, else why not (checked once)."""
+    try:
+        from torch._inductor.kernel.flex.flex_flash_attention import ensure_flash_available
+    except ImportError:
+        return f"torch {torch.__version__} has no FlashAttention backend for flex (torch >= 2.10 has)"
+    if importlib.util.find_spec("flash_attn") is None or not ensure_flash_available():
+        return "flash-attn-4 (flash_attn.cute) is not installed"
+    return None
+
+
+def fa4_unsupported_reason(query: torch.Tensor) -> str | None:
+    """Why FA4 cannot run this prefill call, or None."""
+    if query.device.type != "cuda":
+        return "FA4 needs a CUDA device"
+    major, _ = torch.cuda.get_device_capability(query.device)
+    D = query.shape[-1]
+    if major not in (9, 10):
+        return f"FA4 runs on Hopper and Blackwell (compute capability 9.x, 10.x), not {major}.x"
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return f"FA4 computes in float16/bfloat16, not {query.dtype}"
+    if D % 8 or D > (256 if major == 9 else 128):
+        return f"FA4 does not take head size {D} on compute capability {major}.x"
+    return fa4_installed()
+
+
+class PrefillKernel:
+    """The per-backend choice; `options(query)` gives the kernel_options of one prefill call."""
+
+    def __init__(self):
+        self.mode = env_flex_prefill_kernel()
+        self.flash: bool | None = None  # decided at the first compiled prefill call (needs the device)
+
+    def options(self, query: torch.Tensor) -> dict:
+        if PREFILL_KERNEL_OPTIONS is not None:
+            return dict(PREFILL_KERNEL_OPTIONS)
+        if self.flash is None:
+            reason = None if self.mode == "triton" else fa4_unsupported_reason(query)
+            if self.mode == "flash" and reason:
+                raise ValueError(f"FLEXENGINE_FLEX_PREFILL=flash, but {reason}")
+            self.flash = self.mode != "triton" and reason is None
+            if self.mode == "auto":
+                logger.info("flex prefill kernel: %s", "FlashAttention-4" if self.flash else f"Triton ({reason})")
+        if self.flash:
+            return dict(FLASH_OPTIONS)
+        return triton_options(query.shape[-1]) if query.is_cuda else {}  # (Inductor's CPU template: its own)
+
+    def refused(self, error: Exception) -> bool:
+        """After FA4 failed to compile a call: True when auto falls back to Triton (said once), False
+        when the failure must propagate (FA4 was asked for by name, or was not in use)."""
+        if not self.flash or self.mode == "flash" or PREFILL_KERNEL_OPTIONS is not None:
+            return False
+        lines = [line.strip(" =") for line in str(error).splitlines() if line.strip(" =")]  # drop banners
+        logger.warning("flex prefill: FlashAttention-4 cannot compile this model's mods (%s); the Triton kernel "
+                       "serves from now on", " ".join(lines[:2])[:300] or type(error).__name__)
+        self.flash = False
+        return True
