@@ -76,8 +76,11 @@ for stage in ${*:-tests attention compare latency}; do
     eager) e2e latency_eager throughput_eager ;;
     serve) step serve 300 bash scripts/serve_bench.sh ;;  # it makes the checkpoint itself
     fa4) step fa4 150 bash scripts/fa4_install.sh true && FA4_PATH=$(bash scripts/fa4_install.sh path) && \
-           step fa4_tests 150 env PYTHONPATH="$FA4_PATH" python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short \
-           tests/test_flash_backend.py ;;  # FA4_PATH is set once it installs and passes its smoke test
+           export PYTHONPATH="$FA4_PATH${PYTHONPATH:+:$PYTHONPATH}" && \
+           step fa4_tests 150 python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short tests/test_flash_backend.py ;;
+           # once FA4 installs and passes its smoke test, every later stage runs with it (flex prefill on FA4)
+    tests_fa4) step gpu_tests_fa4 300 python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short \
+           tests/test_paged_attention.py tests/test_gym_mods.py ;;  # both prefill kernels, mods under graphs
     flash) if [[ -z $FA4_PATH ]]; then STATUS+=("flash: SKIPPED (no working FA4; run the fa4 stage first)"); else
              for backend in flex auto flash; do  # auto: flash for steps with prompts, flex graphs for decode
                left=$(( BUDGET - ($(date +%s) - START) ))
