@@ -20,7 +20,7 @@ from flexengine.attention.backends import prefill_kernel
 from flexengine.benchmarks.attention import bench, flex_times, parse_mods
 
 CONFIGS = {
-    "engine": None,  # the engine's choice (attention/backends/prefill_kernel.py: FA4 where installed)
+    "engine": None,  # the engine's choice (attention/backends/prefill_kernel.py; FLEXENGINE_FLEX_PREFILL)
     "default": {},  # the Triton template's defaults
     "warps8": {"num_warps": 8},
     "stages2": {"num_stages": 2},

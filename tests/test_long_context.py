@@ -35,7 +35,7 @@ def test_long_prompt_in_many_chunks_with_a_window_and_the_prefix_cache(mistral):
     hf, path = mistral
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=256, enable_prefix_caching=True,
               num_kv_blocks=400)
-    assert llm.llm_engine.max_model_len == 4096  # the model's own context (under the engine's cap)
+    assert llm.llm_engine.max_model_len == 4096  # the model's own context
     prompt = random_prompt(2500, seed=1)  # ten chunks of 256
     assert_matches_hf(hf, prompt, *generate(llm, prompt))
     # A second prompt sharing 2,000 tokens: its first pages come from the prefix cache.
@@ -58,3 +58,19 @@ def test_a_cache_smaller_than_the_context_caps_max_model_len_and_says_so(mistral
         llm.generate([{"prompt_token_ids": random_prompt(700, seed=3)}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert llm.llm_engine.num_free_blocks() == free  # the refused request holds no page
     assert len(generate(llm, random_prompt(600, seed=4), n=2)[0]) == 2  # and the engine still serves
+
+
+def test_default_max_model_len_is_the_models_whole_context(tmp_path):
+    """Past the 8,192 tokens the engine used to cap it at: unasked, max_model_len is the config's
+    max_position_embeddings when the cache holds one such request, and a prompt past the old cap is
+    served (the first test proves parity at length; this one, that the default lets it in)."""
+    config = transformers.LlamaConfig(**{**TINY, "max_position_embeddings": 12000}, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager").eval()
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=16, num_kv_blocks=760, max_num_batched_tokens=2048)
+    assert llm.llm_engine.max_model_len == 12000
+    out = llm.generate([{"prompt_token_ids": random_prompt(8500, seed=5)}], SamplingParams(max_tokens=2),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+    assert llm.llm_engine.num_free_blocks() == llm.llm_engine.num_total_blocks

@@ -4,9 +4,10 @@ FlexAttention compiles the paged mods either into its Triton template or, with
 `kernel_options={"BACKEND": "FLASH"}` (torch >= 2.10 with flash-attn-4's CuTe DSL installed), into
 FlashAttention-4, which iterates the same block-sparse lists. On the H100 FA4 ran a 2,048-token chunk
 over a 32k prefix at 1.49x SDPA flash where the Triton template reached 1.08x (docs/benchmarks.md,
-session 9). `FLEXENGINE_FLEX_PREFILL` chooses: auto (FA4 where it is installed and the GPU, dtype and
-head size fit, else Triton, said once), triton, or flash (an error where FA4 cannot serve).
-A mod FA4's code generator cannot compile sends auto to Triton for good, with one warning naming why.
+session 9). `FLEXENGINE_FLEX_PREFILL` chooses: triton, flash (an error where FA4 cannot serve; a mod
+its code generator cannot compile falls back to Triton for good, with one warning naming why), or
+auto, the default, which is Triton for now and says once when FA4 could serve: FA4's kernels agree
+with the dense reference in single calls, but not yet measured inside the engine's CUDA graphs.
 """
 from __future__ import annotations
 
@@ -74,17 +75,18 @@ class PrefillKernel:
             reason = None if self.mode == "triton" else fa4_unsupported_reason(query)
             if self.mode == "flash" and reason:
                 raise ValueError(f"FLEXENGINE_FLEX_PREFILL=flash, but {reason}")
-            self.flash = self.mode != "triton" and reason is None
-            if self.mode == "auto":
-                logger.info("flex prefill kernel: %s", "FlashAttention-4" if self.flash else f"Triton ({reason})")
+            self.flash = self.mode == "flash"
+            if self.mode == "auto" and reason is None:
+                logger.info("flex prefill kernel: Triton; FlashAttention-4 is installed and FLEXENGINE_FLEX_PREFILL="
+                            "flash runs the prefill on it (faster on the H100, not yet proven in CUDA graphs)")
         if self.flash:
             return dict(FLASH_OPTIONS)
         return triton_options(query.shape[-1]) if query.is_cuda else {}  # (Inductor's CPU template: its own)
 
     def refused(self, error: Exception) -> bool:
-        """After FA4 failed to compile a call: True when auto falls back to Triton (said once), False
-        when the failure must propagate (FA4 was asked for by name, or was not in use)."""
-        if not self.flash or self.mode == "flash" or PREFILL_KERNEL_OPTIONS is not None:
+        """After a prefill call failed: True when it was FA4's (its code generator refusing a mod), and
+        the Triton kernel serves from now on (said once); False when the failure must propagate."""
+        if not self.flash or PREFILL_KERNEL_OPTIONS is not None:
             return False
         lines = [line.strip(" =") for line in str(error).splitlines() if line.strip(" =")]  # drop banners
         logger.warning("flex prefill: FlashAttention-4 cannot compile this model's mods (%s); the Triton kernel "
