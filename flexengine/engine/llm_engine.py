@@ -23,7 +23,8 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer, add_tokens
 from .block_manager import BlockManager
 from .in_flight import InFlightStep
-from .model_runner import ModelRunner, text_config
+from .kv_sizing import text_config
+from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import PENDING, Request, Sequence
 

@@ -22,9 +22,10 @@ from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
 from ..attention.metadata import AttentionMetadata, StepLayout, build_metadata, plan_layout, to_device
 from ..compile import fused_elementwise
-from ..config import (CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, MAX_KV_POOL_ELEMENTS,
-                      EngineConfig)
+from ..config import EngineConfig
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_blocks, text_config, wanted_max_model_len,
+                        workspace_tokens_wanted)
 from .layer_mods import apply_mod_overrides, mod_params
 from .in_flight import InFlightStep, feed_inputs
 from .scheduler import ScheduledBatch
@@ -71,10 +72,6 @@ def wants_compile(device: torch.device, enforce_eager: bool) -> bool:
     return device.type == "cuda" and not enforce_eager
 
 
-def text_config(hf_config):
-    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-
-
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}  # the dtypes a mod's parameter can declare
 
 
@@ -92,7 +89,7 @@ class ModelRunner:
         self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
         self.layers = self.model.attention_layers()
         # Before the backend is chosen; checked on positions up to the longest max_model_len can become.
-        apply_mod_overrides(self.layers, config.mask_mod, config.score_mod, max_len=self.wanted_max_model_len(),
+        apply_mod_overrides(self.layers, config.mask_mod, config.score_mod, max_len=wanted_max_model_len(config, self.hf_config),
                             num_reqs=config.max_num_seqs, device=self.device)
         first = self.layers[0]
         assert all((a.num_kv_heads, a.head_dim) == (first.num_kv_heads, first.head_dim) for a in self.layers), \
@@ -114,7 +111,7 @@ class ModelRunner:
         # KV cache is sized; the scheduler keeps each step's prefill contexts within it.
         self.workspace_tokens = None
         if self.static_shapes:
-            pages = -(-self.plan_workspace_tokens() // self.block_size)
+            pages = -(-workspace_tokens_wanted(config, self.hf_config) // self.block_size)
             self.backend.reserve_workspace(pages, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
                                            self.device)
             self.workspace_tokens = self.backend.workspace_pages * self.block_size
@@ -122,8 +119,8 @@ class ModelRunner:
         self.sampler = Sampler(self.generator)
         self._last_sampling: tuple[list[Sequence] | None, SamplingTensors | None] = (None, None)
 
-        self.num_blocks = config.num_kv_blocks or self.measure_num_blocks()
-        self.max_model_len = self.choose_max_model_len()
+        self.num_blocks = config.num_kv_blocks or measure_num_blocks(self)
+        self.max_model_len = choose_max_model_len(config, self.hf_config, self.num_blocks)
         # One page past the block manager's: padded rows of a captured batch write their K/V there.
         self.kv_cache = allocate_kv_cache(len(self.layers), self.num_blocks + 1, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, self.device)
@@ -150,101 +147,8 @@ class ModelRunner:
             from ..compile.warmup import warm_up_unpadded
             logger.info("warm-up (compiled layers, %s kernels): %.1f s", self.backend.name, warm_up_unpadded(self))
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; max_model_len %d", self.num_blocks,
-                    self.block_size, self.num_blocks * self.bytes_per_block() / 2 ** 20, self.device,
+                    self.block_size, self.num_blocks * bytes_per_block(self) / 2 ** 20, self.device,
                     self.max_model_len)
-
-    # ---------------------------------------------------------------- sizing
-    def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-    def model_max_len(self) -> int | None:
-        return getattr(text_config(self.hf_config), "max_position_embeddings", None)
-
-    def wanted_max_model_len(self) -> int:
-        """The asked-for length, else the model's whole context: max_model_len unless the cache holds less."""
-        return self.config.max_model_len or self.model_max_len() or DEFAULT_MAX_MODEL_LEN
-
-    def plan_workspace_tokens(self) -> int:
-        """The prefill workspace: one request of the longest context and a full step beside it, and at least
-        a tile per prefill tile a step can have (a step of whole short prompts needs no more)."""
-        from ..attention.metadata import KV_TILE, workspace_align
-        from ..compile.warmup import max_prefill_tiles
-        cfg, a = self.config, workspace_align(self.block_size)
-        contexts = -(-self.wanted_max_model_len() // a) * a + -(-cfg.max_num_batched_tokens // a) * a
-        return max(contexts, KV_TILE * max_prefill_tiles(cfg.max_num_batched_tokens, cfg.max_num_seqs))
-
-    def choose_max_model_len(self) -> int:
-        """The asked-for length (checked against the model and the cache), else the model's, or the most
-        the cache holds (vLLM's rule, except that vLLM fails where this says what it chose)."""
-        model_max, capacity = self.model_max_len(), self.num_blocks * self.block_size
-        asked = self.config.max_model_len
-        if asked is not None:
-            if model_max is not None and asked > model_max:
-                raise ValueError(f"max_model_len={asked} is larger than the model's max_position_embeddings "
-                                 f"({model_max})")
-            need = -(-asked // self.block_size)
-            if need > self.num_blocks:
-                raise ValueError(f"the KV cache has {self.num_blocks} blocks of {self.block_size} tokens, too few for "
-                                 f"one request of max_model_len={asked}: it needs {need} blocks (raise num_kv_blocks "
-                                 f"or gpu_memory_utilization, or lower max_model_len)")
-            return asked
-        # Unasked, serve what both the model and the cache can hold, and say so when the cache decides.
-        wanted = self.wanted_max_model_len()
-        if capacity < wanted:
-            logger.warning("max_model_len is %d, what the KV cache holds (%d blocks of %d tokens); the model's "
-                           "own is %s. Raise num_kv_blocks or gpu_memory_utilization (--num-kv-blocks, "
-                           "--gpu-memory-utilization) for longer requests", capacity, self.num_blocks,
-                           self.block_size, model_max)
-        return min(wanted, capacity)
-
-    def measure_num_blocks(self) -> int:
-        """CPU: a fixed budget (CPU_KV_CACHE_BYTES, at most CPU_MAX_KV_TOKENS tokens). GPU: what is left of
-        gpu_memory_utilization x total memory after a profiling forward at max_num_batched_tokens."""
-        per_block = self.bytes_per_block()
-        if self.device.type != "cuda":
-            return max(1, min(CPU_KV_CACHE_BYTES // per_block, CPU_MAX_KV_TOKENS // self.block_size))
-        budget = self.profile_kv_budget()
-        num = min(budget // per_block, MAX_KV_POOL_ELEMENTS // (self.block_size * self.num_kv_heads * self.head_dim))
-        if num < 1:
-            raise ValueError(f"no GPU memory is left for the KV cache: the model and a step of "
-                             f"{self.config.max_num_batched_tokens} tokens use more than gpu_memory_utilization="
-                             f"{self.config.gpu_memory_utilization} of the device (raise it, or lower "
-                             f"max_num_batched_tokens)")
-        return int(num)
-
-    @torch.inference_mode()
-    def profile_kv_budget(self) -> int:
-        """Bytes for the KV cache: run the largest step the scheduler can make, on a scratch cache."""
-        cfg, P = self.config, self.block_size
-        T = cfg.max_num_batched_tokens
-        longest = min(n for n in (self.model_max_len(), cfg.max_model_len, T) if n)  # positions the model supports
-        num_seqs = max(min(cfg.max_num_seqs, T), -(-T // longest))
-        lens = [T // num_seqs + (i < T % num_seqs) for i in range(num_seqs)]
-        scratch_blocks = sum(-(-n // P) for n in lens) + 1
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        scratch = allocate_kv_cache(len(self.layers), scratch_blocks, P, self.num_kv_heads, self.head_dim,
-                                    self.dtype, self.device)
-        self.attach_kv_cache(scratch)
-        seqs, pages = [], iter(range(scratch_blocks))
-        for n in lens:
-            seq = Sequence(request_id="profile", index=0, token_ids=[0] * n, num_prompt_tokens=n, params=None)
-            seq.block_table = [next(pages) for _ in range(-(-n // P))]
-            seqs.append(seq)
-        inputs = self.prepare_step(ScheduledBatch(seqs, lens), sampling=False)
-        hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        self.sampler(logits, SamplingTensors(temperature=torch.ones(len(seqs), device=self.device)))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch.numel() * scratch.element_size()
-        del scratch, hidden, logits, inputs
-        self.attach_kv_cache(None)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)  # CUDA context, other processes
-        return int(total * cfg.gpu_memory_utilization - peak - outside_torch)
 
     def attach_kv_cache(self, cache: torch.Tensor | None) -> None:
         for i, layer in enumerate(self.layers):
