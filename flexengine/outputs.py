@@ -27,6 +27,15 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """vLLM's names; time.time() seconds. first_token_time: when the step that made the request's
+    first output token was read back (time to first token = first_token_time - arrival_time)."""
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -35,6 +44,7 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: None = None
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
 
 class CompletionDelta(NamedTuple):

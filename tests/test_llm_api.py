@@ -224,3 +224,14 @@ def test_generation_runs_with_the_heap_frozen_then_unfreezes_it(llm, monkeypatch
     finally:
         gc.unfreeze()
     assert_clean(llm)
+
+
+def test_request_metrics_time_the_first_token(llm):
+    """RequestOutput.metrics (vLLM's names): arrival <= first token <= finished, in time.time() seconds."""
+    import time
+    before = time.time()
+    out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3), use_tqdm=False)
+    after = time.time()
+    for o in out:
+        m = o.metrics
+        assert before <= m.arrival_time <= m.first_token_time <= m.finished_time <= after, m

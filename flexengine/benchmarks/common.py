@@ -106,11 +106,24 @@ def warm_up(llm, input_len: int, seed: int, num_prompts: int = 4, output_len: in
 
 def generate_fixed(llm, prompts: list[list[int]], output_len: int, temperature: float) -> float:
     """Generate exactly output_len tokens for every prompt; seconds. Fails loudly on a short output."""
+    return generate_timed(llm, prompts, output_len, temperature)[0]
+
+
+def generate_timed(llm, prompts: list[list[int]], output_len: int, temperature: float) -> tuple[float, list]:
+    """generate_fixed, with the outputs: (seconds, RequestOutputs)."""
     from flexengine import SamplingParams
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature)
     outputs, seconds = timed(llm.generate, as_requests(prompts), params, use_tqdm=False)
     check_lengths([len(o.outputs[0].token_ids) for o in outputs], len(prompts), output_len, "flexengine")
-    return seconds
+    return seconds, outputs
+
+
+def ttft_summary(ttfts: list[float]) -> dict | None:
+    """Median and 90th percentile of times to first token (seconds), or None without any."""
+    if not ttfts:
+        return None
+    ordered = sorted(ttfts)
+    return dict(median=statistics.median(ordered), p90=ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))])
 
 
 def check_lengths(lengths: list[int], num: int, output_len: int, who: str) -> None:

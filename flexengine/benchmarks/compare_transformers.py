@@ -10,6 +10,9 @@ created → last finished, so its own CUDA-graph warm-up is excluded, as flexeng
 the wall time of the whole generate_batch call is printed too. --batch1: ms/token of transformers
 `generate` at batch 1 (dynamic and static cache) against flexengine, as `bench latency` measures it.
 A transformers row that cannot run on the installed version is left out with the reason printed.
+Time to first token: from each request's arrival (all arrive at the start, so queueing counts, as in
+vLLM's offline benchmark) to the step that made its first token (`RequestOutput.metrics`); for
+transformers where its outputs carry token timestamps.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ import torch
 import torch._dynamo
 
 from .common import (HBM_BYTES_PER_S, add_engine_arguments, build_llm, check_lengths, decode_ms_per_token, device_name,
-                     engine_mode, engine_model, generate_fixed, random_prompts, timed, warm_up, weight_bytes,
+                     engine_mode, engine_model, generate_timed, random_prompts, timed, ttft_summary, warm_up,
+                     weight_bytes,
                      write_json)
 from .latency import measure_decode
 
@@ -119,9 +123,11 @@ def transformers_generate_batch(args, prompts: list[list[int]]) -> tuple[dict | 
         return None, (f"generate_batch returned {len(outs)} of {len(prompts)} requests with lengths "
                       f"{sorted(set(lengths))}, not all {args.output_len}")
     span = max(o.lifespan[1] for o in outs) - min(o.created_time for o in outs)
+    # time to first token, where this transformers records token times (perf_counter, as created_time)
+    ttft = ttft_summary([o.timestamps[0] - o.created_time for o in outs if getattr(o, "timestamps", None)])
     note = f"transformers generate_batch: attn {attn}; call wall {wall:.2f} s (incl. its warm-up), span {span:.2f} s"
     return dict(engine=f"transformers {transformers.__version__} generate_batch ({args.tf_attn_implementation})",
-                prompts=len(prompts), seconds=span, wall_s=wall), note
+                prompts=len(prompts), seconds=span, wall_s=wall, ttft=ttft), note
 
 
 def transformers_batch1(args, vocab: int) -> list[dict]:
@@ -150,9 +156,11 @@ def transformers_batch1(args, vocab: int) -> list[dict]:
 def flexengine_rows(args, prompts: list[list[int]]) -> tuple[dict, dict | None, float]:
     llm, build_s = build_llm(args)
     warm_s = warm_up(llm, args.input_len, args.seed)
-    seconds = generate_fixed(llm, prompts, args.output_len, args.temperature)
+    seconds, outputs = generate_timed(llm, prompts, args.output_len, args.temperature)
     mode = engine_mode(llm)
-    row = dict(engine=f"flexengine ({mode})", prompts=len(prompts), seconds=seconds, cold_start_s=build_s + warm_s)
+    ttft = ttft_summary([o.metrics.first_token_time - o.metrics.arrival_time for o in outputs])
+    row = dict(engine=f"flexengine ({mode})", prompts=len(prompts), seconds=seconds, cold_start_s=build_s + warm_s,
+               ttft=ttft)
     b1 = None
     if args.batch1:
         m = measure_decode(llm, 1, args.batch1_input_len, args.batch1_output_len, args.batch1_iters, 1,
@@ -166,12 +174,13 @@ def flexengine_rows(args, prompts: list[list[int]]) -> tuple[dict, dict | None, 
 def print_tables(args, rows: list[dict], b1_rows: list[dict], nbytes: int) -> None:
     print(f"\n# {device_name()} | torch {torch.__version__} | {args.model} | {args.input_len} in x "
           f"{args.output_len} out | {'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}")
-    print("| engine | prompts | seconds | output tok/s |")
-    print("|---|---|---|---|")
+    print("| engine | prompts | seconds | output tok/s | time to first token, median / p90 |")
+    print("|---|---|---|---|---|")
     for r in rows:
         r["output_tok_s"] = r["prompts"] * args.output_len / r["seconds"]
         engine = r["engine"].replace("|", "\\|")
-        print(f"| {engine} | {r['prompts']} | {r['seconds']:.2f} | {r['output_tok_s']:.1f} |")
+        ttft = "—" if not r.get("ttft") else f"{r['ttft']['median']:.3f} s / {r['ttft']['p90']:.3f} s"
+        print(f"| {engine} | {r['prompts']} | {r['seconds']:.2f} | {r['output_tok_s']:.1f} | {ttft} |")
     if len(rows) == 2:
         tf, fe = rows
         counts = "" if tf["prompts"] == fe["prompts"] else \

@@ -291,11 +291,13 @@ class LLMEngine:
         self.output_processor.check_tokens(seqs, [token_ids[i] for i in live],
                                            None if lp is None else [lp[i] for i in live], lengths, self.eos_token_ids)
         progressed: dict[str, Request] = {}
+        now = time.time()
         for seq in seqs:
             if seq.is_finished and seq.num_pending:  # a later step's token, which nobody will read
                 del seq.token_ids[-seq.num_pending:]
                 seq.num_pending = 0
-            progressed[seq.request_id] = self.requests[seq.request_id]
+            request = progressed[seq.request_id] = self.requests[seq.request_id]
+            request.first_token_time = request.first_token_time or now
         self.scheduler.cache_computed(step.batch.seqs)
         return progressed
 
@@ -310,5 +312,9 @@ class LLMEngine:
                 seq.token_ids.append(row[i])
             self.output_processor.check_tokens(seqs, [row[i] for i in live], None, [seq.num_tokens for seq in seqs],
                                                self.eos_token_ids)
-        return {seq.request_id: self.requests[seq.request_id] for seq in batch.seqs}
+        progressed = {seq.request_id: self.requests[seq.request_id] for seq in batch.seqs}
+        now = time.time()
+        for request in progressed.values():  # decode steps: every request already had its first token
+            request.first_token_time = request.first_token_time or now
+        return progressed
 

@@ -3,7 +3,9 @@ stop tokens and strings, length limits, then RequestOutputs (cumulative or, with
 or CompletionDelta rows for the server's stream."""
 from __future__ import annotations
 
-from ..outputs import CompletionDelta, CompletionOutput, Logprob, RequestOutput
+import time
+
+from ..outputs import CompletionDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..tokenizer import add_tokens
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
@@ -127,6 +129,7 @@ class OutputProcessor:
                 index=seq.index, text=text, token_ids=token_ids, cumulative_logprob=cumulative, logprobs=logprobs,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         prompt_ids = request.prompt_token_ids if request.delta else list(request.prompt_token_ids)
+        metrics = RequestMetrics(request.arrival_time, request.first_token_time, time.time() if finished else None)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=prompt_ids, outputs=completions,
-                             finished=finished, num_cached_tokens=request.num_cached_tokens)
+                             finished=finished, num_cached_tokens=request.num_cached_tokens, metrics=metrics)

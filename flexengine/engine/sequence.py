@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,8 @@ class Request:
     seqs: list[Sequence]
     final_only: bool = False               # reported once, when finished
     delta: bool = False                    # each report carries only what is new since the last
+    arrival_time: float = field(default_factory=time.time)  # RequestMetrics (vLLM's names), time.time()
+    first_token_time: float | None = None  # when the step holding its first output token was read back
 
     @property
     def num_cached_tokens(self) -> int:
