@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention backend (default: FLEXENGINE_ATTENTION_BACKEND, else auto)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs, no compiled layers (FlexAttention stays compiled on a GPU)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output per request")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output per request (default: the model's context, or what the KV cache "
+                             "holds when that is less)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pages (default: sized from memory)")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV cache page")
     parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,

@@ -286,7 +286,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=None, help="tokens per KV cache page (default 16)")
     engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pages (default: sized from memory)")
     engine.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output per request (default: the model's, capped)")
+                        help="longest prompt + output per request (default: the model's context, or what the KV "
+                             "cache holds when that is less)")
     engine.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step (default 256)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token budget of one engine step, chunked prefill (default 2048)")
