@@ -61,7 +61,8 @@ def main() -> None:
     args = p.parse_args()
     mods = parse_mods("causal", None, 32)
     results = []
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | causal, page {args.page} | µs (median)", flush=True)
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | causal, page {args.page} | µs (median)",
+          flush=True)
     for case in args.cases.split(","):
         Hq, Hkv, D, ql, sl = CASES[case]
         base = sdpa_time(Hq, Hkv, D, ql, sl)

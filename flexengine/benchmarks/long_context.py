@@ -100,8 +100,8 @@ def main(args) -> int:
                 row["floor_s"] = floor_seconds(spec, n, L)
                 row["flexengine_over_floor"] = second / row["floor_s"]
         rows.append(row)
-    print(f"\n# long-context prefill on {device_name()}, torch {torch.__version__}; flexengine max_model_len {max_len}, "
-          f"built in {built:.1f} s")
+    print(f"\n# long-context prefill on {device_name()}, torch {torch.__version__}; flexengine max_model_len "
+          f"{max_len}, built in {built:.1f} s")
     print("| prompts × length | transformers forward | flexengine (run 1, run 2) | flexengine tok/s | "
           "transformers / flexengine | floor | flexengine / floor |")
     print("|---|---|---|---|---|---|---|")
@@ -109,7 +109,8 @@ def main(args) -> int:
     for r in rows:
         runs = "—" if r["flexengine_s"] is None else f"{r['flexengine_s'][0]:.3f} s, {r['flexengine_s'][1]:.3f} s"
         print(f"| {r['prompts']} × {r['length']:,} | {fmt(r['transformers_s'], '{:.3f} s')} | {runs} | "
-              f"{fmt(r.get('flexengine_tok_s'), '{:,.0f}')} | {fmt(r.get('transformers_over_flexengine'), '{:.2f}×')} | "
+              f"{fmt(r.get('flexengine_tok_s'), '{:,.0f}')} | "
+              f"{fmt(r.get('transformers_over_flexengine'), '{:.2f}×')} | "
               f"{fmt(r.get('floor_s'), '{:.3f} s')} | {fmt(r.get('flexengine_over_floor'), '{:.2f}×')} |")
     result = dict(device=device_name(), torch=torch.__version__, max_model_len=max_len, build_s=built, rows=rows,
                   floor_flops=REACHABLE_FLOPS, spec=spec)

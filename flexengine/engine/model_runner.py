@@ -89,8 +89,9 @@ class ModelRunner:
         self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
         self.layers = self.model.attention_layers()
         # Before the backend is chosen; checked on positions up to the longest max_model_len can become.
-        apply_mod_overrides(self.layers, config.mask_mod, config.score_mod, max_len=wanted_max_model_len(config, self.hf_config),
-                            num_reqs=config.max_num_seqs, device=self.device)
+        apply_mod_overrides(self.layers, config.mask_mod, config.score_mod,
+                            max_len=wanted_max_model_len(config, self.hf_config), num_reqs=config.max_num_seqs,
+                            device=self.device)
         first = self.layers[0]
         assert all((a.num_kv_heads, a.head_dim) == (first.num_kv_heads, first.head_dim) for a in self.layers), \
             "one KV cache shape for every layer"

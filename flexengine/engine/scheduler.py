@@ -95,7 +95,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or self.at_limit(seq):
                 continue  # preempted earlier in this loop, or its pending token is its last
             n = self.chunk(seq.num_uncomputed_tokens, budget)
-            if n < self.min_chunk(seq, seq.num_computed_tokens) or not self.take_workspace(seq.num_computed_tokens, n):
+            if n < self.min_chunk(seq, seq.num_computed_tokens) or \
+                    not self.take_prefill_room(seq.num_computed_tokens, n):
                 continue  # the rest of its prompt does not fit this step
             if self.block_manager.pages_needed(seq, n) == 0:  # most decode steps: room in its last page
                 batch.seqs.append(seq)
@@ -154,7 +155,7 @@ class Scheduler:
             return remaining
         return budget - budget % self.chunk_align if budget >= self.chunk_align else budget
 
-    def take_workspace(self, computed: int, n: int) -> bool:
+    def take_prefill_room(self, computed: int, n: int) -> bool:
         """Whether a chunk of n tokens after `computed` fits the step's prefill workspace; then it and
         the chunk's query tiles are taken."""
         if n == 1:
@@ -183,7 +184,7 @@ class Scheduler:
             cached = len(hits) * self.block_manager.block_size
             n = self.chunk(seq.num_tokens - cached, budget)
             if n < self.min_chunk(seq, cached) or not self.block_manager.can_allocate(seq, n, hits) \
-                    or not self.take_workspace(cached, n):
+                    or not self.take_prefill_room(cached, n):
                 break
             self.block_manager.allocate(seq, n, hits)
             self.waiting.popleft()

@@ -23,9 +23,9 @@ except ImportError:
 
 from ...compile import configure_dynamo, fused
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
+from ..metadata import (KV_TILE, Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists)
 from ..workspace import gather_pages
 from .prefill_kernel import PrefillKernel
-from ..metadata import (KV_TILE, Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists)
 
 
 def param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
