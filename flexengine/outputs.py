@@ -42,7 +42,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token; None for the first
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
 

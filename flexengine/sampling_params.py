@@ -25,6 +25,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None       # top-k logprobs per generated token (the chosen one always included)
+    prompt_logprobs: int | None = None  # the same per prompt token (engine/prompt_logprobs.py)
     attention_params: dict | None = field(default=None)  # per-request mask/score parameters
 
     def __post_init__(self):
@@ -54,6 +55,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}")
         if self.attention_params is not None and not isinstance(self.attention_params, dict):
             raise ValueError(f"attention_params must be a dict or None, got {type(self.attention_params).__name__}")
         if self.top_k == 0:

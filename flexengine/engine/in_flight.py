@@ -15,6 +15,7 @@ import torch
 
 from ..attention.metadata import to_device
 from ..layers.sampler import SamplerOutput
+from .prompt_logprobs import PromptLogprobs
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -27,20 +28,25 @@ class InFlightStep:
     host: list[torch.Tensor]             # token ids (then logprob tensors), copying to the host
     copied: torch.cuda.Event | None      # recorded after the copies; None on the CPU
     row_of: dict[int, int]               # seq_id → its row in out.token_ids
+    prompt: PromptLogprobs | None = None  # prompt-token logprobs of the sequences that asked
+    prompt_host: list[torch.Tensor] | None = None
 
     @classmethod
-    def launch(cls, batch: ScheduledBatch, seqs: list[Sequence], out: SamplerOutput | None) -> "InFlightStep":
-        """Start copying the step's samples to the host (the step itself is queued on the device)."""
+    def launch(cls, batch: ScheduledBatch, seqs: list[Sequence], out: SamplerOutput | None,
+               prompt: PromptLogprobs | None = None) -> "InFlightStep":
+        """Start copying the step's samples (and prompt logprobs) to the host; the step itself is queued
+        on the device."""
         host, copied = [], None
         if out is not None:
             parts = [out.token_ids]
             if out.logprob is not None:
                 parts += [out.logprob, out.rank, out.top_ids, out.top_logprobs]
             host = [t.to("cpu", non_blocking=True) for t in parts]  # pinned on CUDA: no wait here
-            if out.token_ids.is_cuda:
-                copied = torch.cuda.Event()
-                copied.record()
-        return cls(batch, seqs, out, host, copied, {s.seq_id: i for i, s in enumerate(seqs)})
+        prompt_host = None if prompt is None else [t.to("cpu", non_blocking=True) for t in prompt.tensors()]
+        if (out is not None and out.token_ids.is_cuda) or (prompt is not None and prompt.chosen.is_cuda):
+            copied = torch.cuda.Event()
+            copied.record()
+        return cls(batch, seqs, out, host, copied, {s.seq_id: i for i, s in enumerate(seqs)}, prompt, prompt_host)
 
     def wait(self) -> tuple[list[int], list[tuple] | None]:
         """The sampled token ids, and per row (logprob, rank, top ids, top logprobs) when asked for."""
@@ -50,6 +56,18 @@ class InFlightStep:
             return [], None
         lists = [t.tolist() for t in self.host]
         return lists[0], (list(zip(*lists[1:])) if len(lists) > 1 else None)
+
+    def prompt_spans(self) -> list[tuple[Sequence, int, list[tuple]]]:
+        """After wait(): per sequence that asked, (it, first prompt position scored, per position
+        (logprob, rank, top ids, top logprobs))."""
+        if self.prompt is None:
+            return []
+        rows = list(zip(*[t.tolist() for t in self.prompt_host]))
+        spans, at = [], 0
+        for seq, first, count in self.prompt.spans:
+            spans.append((seq, first, rows[at:at + count]))
+            at += count
+        return spans
 
     def feed(self, seqs: list[Sequence], last_rows, device) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """(rows, token ids) on the device: the input rows (each sequence's last, at `last_rows`) whose

@@ -26,6 +26,7 @@ from .in_flight import InFlightStep
 from .kv_sizing import text_config
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
+from .prompt_logprobs import wants_prompt_logprobs
 from .scheduler import Scheduler
 from .sequence import PENDING, Request, Sequence
 
@@ -222,6 +223,8 @@ class LLMEngine:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         if params.logprobs is not None:
             seq.logprobs = []
+        if wants_prompt_logprobs(seq):
+            seq.prompt_logprobs = [None] * len(prompt_ids)
         return seq
 
     def abort_request(self, request_id: str) -> None:
@@ -265,8 +268,8 @@ class LLMEngine:
 
     def launch(self, batch) -> InFlightStep:
         """Queue the step on the device; each sequence that samples holds a PENDING token until it is read."""
-        seqs, out = self.runner.execute(batch, self.in_flight)
-        step = InFlightStep.launch(batch, seqs, out)
+        seqs, out, prompt = self.runner.execute(batch, self.in_flight)
+        step = InFlightStep.launch(batch, seqs, out, prompt)
         self.scheduler.mark_launched(batch)
         for seq in seqs:
             seq.token_ids.append(PENDING)
@@ -279,6 +282,7 @@ class LLMEngine:
         started = time.perf_counter()
         token_ids, lp = step.wait()
         self.device_wait_s += time.perf_counter() - started
+        self.output_processor.fill_prompt_logprobs(step.prompt_spans())
         # Skipped: aborted, or stopped at the step before, after this one was launched.
         live = [i for i, seq in enumerate(step.seqs) if not seq.is_finished]
         seqs = [step.seqs[i] for i in live]

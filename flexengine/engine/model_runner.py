@@ -27,6 +27,7 @@ from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_blocks, text_config, wanted_max_model_len,
                         workspace_tokens_wanted)
 from .layer_mods import apply_mod_overrides, mod_params
+from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
 from .in_flight import InFlightStep, feed_inputs
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -343,15 +344,17 @@ class ModelRunner:
                 and g.bucket_for(len(batch.seqs)) is not None)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, prev: InFlightStep | None = None) -> tuple[list[Sequence], SamplerOutput | None]:
-        """One step: → (sequences that got a token, their sampler output), both still on the device.
+    def execute(self, batch: ScheduledBatch, prev: InFlightStep | None = None) \
+            -> tuple[list[Sequence], SamplerOutput | None, PromptLogprobs | None]:
+        """One step: → (sequences that got a token, their sampler output, the prompt logprobs of the
+        sequences that ask), all still on the device.
 
         prev: the step launched before this one, whose samples are this step's PENDING input tokens."""
-        if self.decode_with_graphs(batch):
+        if self.decode_with_graphs(batch):  # every row is a sequence's last token: no prompt token to score
             ids, *rest = self.prepare_decode(batch.seqs)
             feed_inputs(ids, self.feed(prev, batch.seqs, range(len(batch.seqs))))
             logits = self.decode_graphs.run(ids, *rest)
-            return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs))
+            return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs)), None
         p = self.pack_step(batch) if self.mixed_graphs is not None else None
         if p is not None and self.mixed_graphs.fits(p.layout):  # a step with prompt tokens, from a graph
             hidden = self.mixed_graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
@@ -366,9 +369,11 @@ class ModelRunner:
             inputs = self.prepare_step(batch, packed=p)
             feed_inputs(inputs.input_ids, self.feed(prev, batch.seqs, p.last_rows))
             hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        prompt = score_prompt_tokens(self.model.compute_logits, hidden, batch.seqs, batch.num_new_tokens,
+                                     p.last_rows + 1 - np.asarray(batch.num_new_tokens))
         if not inputs.sample_seqs:
-            return [], None
-        return inputs.sample_seqs, self.sample(hidden, inputs)
+            return [], None, prompt
+        return inputs.sample_seqs, self.sample(hidden, inputs), prompt
 
     def feed(self, prev: InFlightStep | None, seqs: list[Sequence], last_rows):
         """The rows of this step whose input is a PENDING sample of `prev`, with its values (on the device)."""

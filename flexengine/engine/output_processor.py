@@ -77,6 +77,16 @@ class OutputProcessor:
                     seq.text += detok.flush()
                 self.scheduler.finish(seq, "length")
 
+    def fill_prompt_logprobs(self, spans) -> None:
+        """Prompt logprobs read back from a step (InFlightStep.prompt_spans), into their sequences; a
+        position recomputed after a preemption gets the same entry again."""
+        for seq, first, rows in spans:
+            if seq.prompt_logprobs is None:
+                continue
+            k = seq.params.prompt_logprobs
+            for pos, lp in enumerate(rows, start=first):
+                seq.prompt_logprobs[pos] = self.logprob_dict(seq.token_ids[pos], lp, k)
+
     def check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
         """Cut the text just before the earliest stop string that the new text completes."""
         longest = max(len(s) for s in seq.params.stop)
@@ -131,5 +141,6 @@ class OutputProcessor:
         prompt_ids = request.prompt_token_ids if request.delta else list(request.prompt_token_ids)
         metrics = RequestMetrics(request.arrival_time, request.first_token_time, time.time() if finished else None)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=prompt_ids, outputs=completions,
-                             finished=finished, num_cached_tokens=request.num_cached_tokens, metrics=metrics)
+                             prompt_token_ids=prompt_ids, outputs=completions, finished=finished,
+                             prompt_logprobs=request.seqs[0].prompt_logprobs,
+                             num_cached_tokens=request.num_cached_tokens, metrics=metrics)

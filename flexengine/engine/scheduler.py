@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .prompt_logprobs import wants_prompt_logprobs
 from .sequence import Sequence, SequenceStatus
 
 
@@ -180,7 +181,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last token was in flight: recomputed once that token is known
-            hits = self.block_manager.cached_prefix(seq)
+            # prompt logprobs need every prompt token's hidden state: no cache hits for them
+            hits = [] if wants_prompt_logprobs(seq) else self.block_manager.cached_prefix(seq)
             cached = len(hits) * self.block_manager.block_size
             n = self.chunk(seq.num_tokens - cached, budget)
             if n < self.min_chunk(seq, cached) or not self.block_manager.can_allocate(seq, n, hits) \

@@ -46,6 +46,7 @@ class Sequence:
     text: str = ""
     text_at_end: bool = False              # decode the text once when finished (no one reads it before)
     logprobs: list | None = None
+    prompt_logprobs: list | None = None    # per prompt position: None (the first), then {token: Logprob}
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
