@@ -59,3 +59,4 @@ class CompletionDelta(NamedTuple):
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    prompt_logprobs: list | None = None  # the request's (RequestOutput.prompt_logprobs), on its first rows

@@ -3,6 +3,7 @@ by the official `openai` client (and raw httpx where a malformed body must reach
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -167,6 +168,47 @@ def test_completion_token_ids_prompt_n_and_logprobs(client):
     for choice in response.choices:
         assert len(choice.logprobs.tokens) == 4 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
         assert all(1 <= len(top) <= 2 for top in choice.logprobs.top_logprobs)
+
+
+def test_completion_echo_with_logprobs_is_lm_eval_loglikelihood(base_url, offline_llm):
+    """lm-eval's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1 (and 0), greedy. The
+    prompt tokens' logprobs equal the offline engine's prompt_logprobs (another attention backend, the
+    reference), the first is null, and the completion follows the prompt."""
+    from flexengine import SamplingParams
+    ids = [72, 105, 33, 79, 75, 32, 116]
+    expected = offline_llm.generate([{"prompt_token_ids": ids}],
+                                    SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)[0]
+    prompt_text = offline_llm.get_tokenizer().decode(ids)
+    for max_tokens in (1, 0):
+        body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": max_tokens, "temperature": 0}
+        response = httpx.post(base_url + "/v1/completions", json=body, headers=auth())
+        assert response.status_code == 200, response.text
+        choice, usage = response.json()["choices"][0], response.json()["usage"]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + max_tokens == len(lp["token_logprobs"]) == len(lp["text_offset"])
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for pos in range(1, len(ids)):
+            assert lp["token_logprobs"][pos] == pytest.approx(expected.prompt_logprobs[pos][ids[pos]].logprob, abs=1e-3)
+            assert 1 <= len(lp["top_logprobs"][pos]) <= 2
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        completion = expected.outputs[0].text if max_tokens else ""
+        assert choice["text"] == prompt_text + completion
+        assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == max_tokens
+    # Streamed: the first chunk starts with the prompt and its logprobs; the whole equals the response.
+    chunks = []
+    with httpx.stream("POST", base_url + "/v1/completions", headers=auth(),
+                      json={**body, "max_tokens": 3, "stream": True}) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[len("data: "):])["choices"][0])
+    whole = httpx.post(base_url + "/v1/completions", headers=auth(), json={**body, "max_tokens": 3}).json()
+    assert "".join(c["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert sum((c["logprobs"]["token_logprobs"] for c in chunks), []) == whole["choices"][0]["logprobs"]["token_logprobs"]
+    # A text prompt, echo alone: the prompt comes back as it was sent, and no logprobs.
+    response = httpx.post(base_url + "/v1/completions", headers=auth(),
+                          json={"prompt": PROMPTS[2], "echo": True, "max_tokens": 0})
+    choice = response.json()["choices"][0]
+    assert choice["text"] == PROMPTS[2] and choice["logprobs"] is None and choice["finish_reason"] == "length"
 
 
 def test_chat_completion_and_stream(client):

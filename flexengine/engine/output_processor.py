@@ -33,9 +33,10 @@ class OutputProcessor:
             assert r.delta, f"step_deltas() streams requests added with delta=True; {r.request_id} was not"
             cached = r.num_cached_tokens
             for seq in r.seqs:
+                prompt_logprobs = r.seqs[0].prompt_logprobs if not seq.num_sent_tokens else None
                 text, token_ids, logprobs, cumulative = self.new_output(seq, delta=True)
                 rows.append(CompletionDelta(r.request_id, seq.index, text, token_ids, logprobs, cumulative,
-                                            seq.finish_reason, seq.stop_reason, cached))
+                                            seq.finish_reason, seq.stop_reason, cached, prompt_logprobs))
             if r.finished:
                 del requests[r.request_id]
         return rows

@@ -142,9 +142,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         word = re.split(r"[\s:=]", message, maxsplit=1)[0]
         return word if word in type(body).model_fields else default
 
-    def sampling_params(body, default_max_tokens, logprobs):
+    def sampling_params(body, default_max_tokens, logprobs, prompt_logprobs=None):
         try:
-            return body.to_sampling_params(default_max_tokens, logprobs)
+            return body.to_sampling_params(default_max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
             raise ApiError(400, str(e), param=field_named_in(str(e), body, None)) from e
 
@@ -200,7 +200,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @router.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request):
         check_request(body)
-        params = sampling_params(body, 16, body.logprobs)  # OpenAI's default max_tokens is 16
+        # echo with max_tokens=0 returns the prompt alone (lm-eval's loglikelihood): one token is made, unused
+        echo_only = body.echo and body.max_tokens == 0
+        if echo_only:
+            body.max_tokens = 1
+        # echo with logprobs scores the prompt too (its tokens' logprobs, from the prefill)
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        params = sampling_params(body, 16, body.logprobs, prompt_logprobs)  # OpenAI's default max_tokens is 16
         prompts = body.prompt_list()
         if not prompts:
             raise ApiError(400, "prompt must not be empty", param="prompt")
@@ -209,7 +215,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                        for p in prompts]
             check_context([p["prompt_token_ids"] for p in prompts], body.max_tokens, "max_tokens", "prompt")
         group = await submit(prompts, params, body, "prompt")
-        writer = responses.CompletionWriter(random_id("cmpl"), model_name, body.n, body.logprobs, tokenizer)
+        writer = responses.CompletionWriter(random_id("cmpl"), model_name, body.n, body.logprobs, tokenizer,
+                                            echo=body.echo, echo_only=echo_only)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return sse(writer.stream(group, usage), group)

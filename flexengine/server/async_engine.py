@@ -50,6 +50,7 @@ class RequestState:
     last_token: float | None = None
     num_cached_tokens: int = 0
     num_unfinished: int = 0
+    prompt_logprobs: list | None = None
 
     @classmethod
     def new(cls, request_id: str, arrival: float, n: int, logprobs: bool) -> "RequestState":
@@ -61,6 +62,8 @@ class RequestState:
         finish, or a completion that already finished (the engine repeats finished ones while the
         request's other completions run)."""
         c = self.completions[row.index]
+        if row.prompt_logprobs is not None:
+            self.prompt_logprobs = row.prompt_logprobs
         if c.finish_reason is not None or not (row.token_ids or row.text or row.finish_reason):
             return False
         self.texts[row.index].append(row.text)
@@ -82,7 +85,7 @@ class RequestState:
                                         None if c.logprobs is None else list(c.logprobs), c.finish_reason, c.stop_reason)
                        for c, parts in zip(self.completions, self.texts)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             num_cached_tokens=self.num_cached_tokens)
+                             prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens)
 
 
 def merge(first: CompletionDelta, then: CompletionDelta) -> CompletionDelta:
@@ -90,7 +93,8 @@ def merge(first: CompletionDelta, then: CompletionDelta) -> CompletionDelta:
     return first._replace(text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
                           logprobs=None if first.logprobs is None else first.logprobs + then.logprobs,
                           cumulative_logprob=then.cumulative_logprob, finish_reason=then.finish_reason,
-                          stop_reason=then.stop_reason, num_cached_tokens=then.num_cached_tokens)
+                          stop_reason=then.stop_reason, num_cached_tokens=then.num_cached_tokens,
+                          prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
 
 
 class RequestGroup:

@@ -28,7 +28,7 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(strict=True)
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only for /v1/completions with echo: the prompt alone
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=128)
@@ -57,11 +57,13 @@ class SamplingRequest(BaseModel):
             return "logit_bias"
         return None
 
-    def to_sampling_params(self, default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int | None, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs)
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(SamplingRequest):
@@ -73,8 +75,6 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
     def unsupported_field(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         if self.best_of not in (None, 1, self.n):
@@ -134,8 +134,8 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # with echo, the prompt's first token has none (null)
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 

@@ -58,8 +58,11 @@ def ranked(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 
 class CompletionWriter:
-    def __init__(self, request_id: str, model: str, n: int, logprobs: int | None, tokenizer):
+    def __init__(self, request_id: str, model: str, n: int, logprobs: int | None, tokenizer, echo: bool = False,
+                 echo_only: bool = False):
         self.id, self.model, self.n, self.logprobs, self.tokenizer = request_id, model, n, logprobs, tokenizer
+        # echo: each choice starts with the prompt (and its logprobs); echo_only (max_tokens=0): only that
+        self.echo, self.echo_only = echo, echo_only
         self.created = int(time.time())  # one creation time for every chunk of a stream, as OpenAI's
         self.head = chunk_head(request_id, "text_completion", self.created, model)
 
@@ -68,11 +71,22 @@ class CompletionWriter:
         return (f'{self.head}{{"index":{index},"text":{dumps(text)},"logprobs":null,'
                 f'"finish_reason":{dumps(finish_reason)}}}],"usage":null}}')
 
-    def _logprobs(self, token_ids: list[int], logprobs: list | None, text_offset: int) -> CompletionLogprobs | None:
+    def _logprobs(self, token_ids: list[int], logprobs: list | None, text_offset: int,
+                  out: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
+        """The legacy logprobs object of these tokens, appended to `out` when given. An entry None (the
+        prompt's first token, with echo) has no logprob: null, as OpenAI writes it."""
         if self.logprobs is None or logprobs is None:
             return None
-        out = CompletionLogprobs()
+        out = out or CompletionLogprobs()
         for tid, entries in zip(token_ids, logprobs):
+            if entries is None:
+                token = token_text(self.tokenizer, tid, None)
+                out.tokens.append(token)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                out.text_offset.append(text_offset)
+                text_offset += len(token)
+                continue
             token = token_text(self.tokenizer, tid, entries.get(tid))
             out.tokens.append(token)
             out.token_logprobs.append(entries[tid].logprob)
@@ -83,26 +97,59 @@ class CompletionWriter:
         return out
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
-        choices = [CompletionChoice(index=i * self.n + c.index, text=c.text, finish_reason=c.finish_reason,
-                                    logprobs=self._logprobs(c.token_ids, c.logprobs, 0))
-                   for i, output in enumerate(finals) for c in output.outputs]
-        return CompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage_of(finals))
+        choices = []
+        for i, output in enumerate(finals):
+            for c in output.outputs:
+                prefix, logprobs = self.echoed(output.prompt, output.prompt_token_ids, output.prompt_logprobs)
+                text, token_ids, lps, finish = self.generated(c.text, c.token_ids, c.logprobs, c.finish_reason)
+                if self.logprobs is not None:
+                    logprobs = self._logprobs(token_ids, lps, len(prefix), out=logprobs)
+                choices.append(CompletionChoice(index=i * self.n + c.index, text=prefix + text, finish_reason=finish,
+                                                logprobs=logprobs))
+        return CompletionResponse(id=self.id, model=self.model, choices=choices, usage=self.usage(finals))
+
+    def echoed(self, prompt: str | None, prompt_ids: list[int],
+               prompt_logprobs) -> tuple[str, CompletionLogprobs | None]:
+        """With echo, what a choice starts with: the prompt's text (decoded where it came as token ids)
+        and, with logprobs, its tokens' logprobs (the first null)."""
+        if not self.echo:
+            return "", None
+        if prompt is None:
+            prompt = self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else ""
+        return prompt, self._logprobs(prompt_ids, prompt_logprobs, 0)
+
+    def generated(self, text: str, token_ids: list[int], logprobs, finish_reason):
+        """What a choice gained: none of it with echo and max_tokens=0 (its one token was not asked for)."""
+        if self.echo_only:
+            return "", [], [], finish_reason and "length"
+        return text, token_ids, logprobs, finish_reason
+
+    def usage(self, finals: list[RequestOutput]) -> UsageInfo:
+        usage = usage_of(finals)
+        if self.echo_only:
+            usage = UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
+        return usage
 
     async def stream(self, group: RequestGroup, include_usage: bool) -> AsyncIterator[str]:
         """JSON chunks: one per choice that gained tokens or finished since the last, then the usage."""
         text_len: dict[int, int] = {}  # per choice: text sent so far (the logprobs' text_offset)
         async for i, row in group.deltas():
             index = i * self.n + row.index
-            if self.logprobs is None:
-                yield self.text_chunk(index, row.text, row.finish_reason)
-                continue
+            prefix, logprobs = "", None
+            if self.echo and index not in text_len:  # a choice's first chunk starts with the prompt
+                state = group.states[i]
+                prefix, logprobs = self.echoed(state.prompt, state.prompt_token_ids, state.prompt_logprobs)
+            text, token_ids, lps, finish = self.generated(row.text, row.token_ids, row.logprobs, row.finish_reason)
             offset = text_len.get(index, 0)
-            text_len[index] = offset + len(row.text)
-            choice = CompletionChoice(index=index, text=row.text, finish_reason=row.finish_reason,
-                                      logprobs=self._logprobs(row.token_ids, row.logprobs, offset))
+            text_len[index] = offset + len(prefix) + len(text)
+            if self.logprobs is None:
+                yield self.text_chunk(index, prefix + text, finish)
+                continue
+            choice = CompletionChoice(index=index, text=prefix + text, finish_reason=finish,
+                                      logprobs=self._logprobs(token_ids, lps, offset + len(prefix), out=logprobs))
             yield self._chunk([choice])
         if include_usage:
-            yield self._chunk([], usage_of(group.results()))
+            yield self._chunk([], self.usage(group.results()))
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
