@@ -26,6 +26,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # top-k logprobs per generated token (the chosen one always included)
     prompt_logprobs: int | None = None  # the same per prompt token (engine/prompt_logprobs.py)
+    # vLLM's logits processors (layers/sampler.py applies them; logprobs stay those of the raw model):
+    presence_penalty: float = 0.0     # subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0    # subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0   # a prompt or output token's logit: divided if > 0, else multiplied
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit
+    min_tokens: int = 0               # no EOS, stop token or stop string before this many output tokens
     attention_params: dict | None = field(default=None)  # per-request mask/score parameters
 
     def __post_init__(self):
@@ -57,6 +63,20 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and t >= 0 and _is_number(v) and -100 <= v <= 100 for t, v in self.logit_bias.items()):
+                raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {self.logit_bias!r}")
+            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()} or None
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or \
+                (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.attention_params is not None and not isinstance(self.attention_params, dict):
             raise ValueError(f"attention_params must be a dict or None, got {type(self.attention_params).__name__}")
         if self.top_k == 0:
@@ -65,6 +85,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether its logits are changed before sampling from its own token history or biases."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or
+                    self.logit_bias or self.min_tokens)
 
     def for_completion(self, index: int) -> "SamplingParams":
         """The params of completion `index` of n: each completion draws from its own seed (vLLM: seed + index)."""

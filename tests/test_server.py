@@ -211,6 +211,21 @@ def test_completion_echo_with_logprobs_is_lm_eval_loglikelihood(base_url, offlin
     assert choice["text"] == PROMPTS[2] and choice["logprobs"] is None and choice["finish_reason"] == "length"
 
 
+def test_completion_penalties_and_bias_match_offline(client, offline_llm):
+    """OpenAI's presence_penalty, frequency_penalty and logit_bias, vLLM's repetition_penalty and
+    min_tokens: the server's greedy text equals the offline engine's with the same SamplingParams."""
+    from flexengine import SamplingParams
+    fields = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3, min_tokens=4)
+    expected = offline_llm.generate([PROMPTS[7]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                  logit_bias={101: 2.5}, **fields), use_tqdm=False)[0]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=MAX_TOKENS, temperature=0,
+                                         presence_penalty=0.5, frequency_penalty=1.0, logit_bias={"101": 2.5},
+                                         extra_body={"repetition_penalty": 1.3, "min_tokens": 4})
+    assert response.choices[0].text == expected.outputs[0].text
+    plain = offline_greedy(offline_llm, [PROMPTS[7]])[0]
+    assert expected.outputs[0].token_ids != plain.token_ids  # the fields changed something
+
+
 def test_chat_completion_and_stream(client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
@@ -293,6 +308,9 @@ def test_client_disconnect_frees_pages(base_url):
     ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', "top_p"),
     ("/v1/completions", b'{"prompt": [1000000]}', "prompt"),                    # the engine refuses these
     ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": [1000000]}', "stop_token_ids"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"x": 1}}', "logit_bias"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"1000000": 1}}', "logit_bias"),
+    ("/v1/completions", b'{"prompt": "hi", "presence_penalty": 3}', "presence_penalty"),
     ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',

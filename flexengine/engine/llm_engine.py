@@ -170,6 +170,9 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none (use stop_token_ids)")
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {self.vocab_size}")
         self.validate_attention_params(params.attention_params or {})
@@ -225,6 +228,9 @@ class LLMEngine:
             seq.logprobs = []
         if wants_prompt_logprobs(seq):
             seq.prompt_logprobs = [None] * len(prompt_ids)
+        if params.min_tokens:
+            seq.min_tokens_stops = frozenset(params.stop_token_ids) | (
+                frozenset() if params.ignore_eos else self.eos_token_ids)
         return seq
 
     def abort_request(self, request_id: str) -> None:
@@ -250,6 +256,10 @@ class LLMEngine:
 
     def _step(self) -> dict[str, Request]:
         """Run a step; → the requests that progressed in the step it completes."""
+        if self.in_flight is not None and any(s.params.adjusts_logits for s in self.scheduler.running):
+            # penalties and min_tokens read every token of the history: read the step in flight first
+            done, self.in_flight = self.in_flight, None
+            return self.process(done)
         batch = self.scheduler.schedule()
         if batch.num_steps > 1:
             tokens = self.runner.execute_multi_step(batch).tolist()  # the steps' one device → host sync

@@ -8,6 +8,7 @@ A step is three functions named for what they do:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_blocks, text_config, wanted_max_model_len,
                         workspace_tokens_wanted)
 from .layer_mods import apply_mod_overrides, mod_params
+from .logits_adjust import build_logits_adjust
 from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
 from .in_flight import InFlightStep, feed_inputs
 from .scheduler import ScheduledBatch
@@ -259,10 +261,12 @@ class ModelRunner:
         the same (decode steps of an unchanged batch: no transfer)."""
         last_seqs, last = self._last_sampling
         if seqs == last_seqs:  # Sequence compares by identity
-            return last
-        tensors = self.build_sampling_tensors(seqs)
-        self._last_sampling = (list(seqs), tensors)
-        return tensors
+            tensors = last
+        else:
+            tensors = self.build_sampling_tensors(seqs)
+            self._last_sampling = (list(seqs), tensors)
+        adjust = build_logits_adjust(seqs, self.vocab_size, self.device)  # the rows' histories grow: every step
+        return tensors if adjust is None else dataclasses.replace(tensors, adjust=adjust)
 
     def build_sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]

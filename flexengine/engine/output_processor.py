@@ -62,7 +62,7 @@ class OutputProcessor:
         for k, delta in zip(streamed, deltas):
             seq = seqs[k]
             seq.text += delta
-            if seq.params.stop and delta:
+            if seq.params.stop and delta and lengths[k] - seq.num_prompt_tokens >= seq.params.min_tokens:
                 self.check_stop_strings(seq, len(delta))
         for seq, token, stop, num_tokens in zip(seqs, tokens, stop_tokens, lengths):
             params, detok = seq.params, seq.detokenizer

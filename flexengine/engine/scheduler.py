@@ -24,8 +24,8 @@ from .sequence import Sequence, SequenceStatus
 
 
 def multi_step_ok(params) -> bool:
-    """Multi-step decode's sampler returns no logprobs."""
-    return params.logprobs is None
+    """Multi-step decode's sampler returns no logprobs, and feeds tokens on without their history."""
+    return params.logprobs is None and not params.adjusts_logits
 
 
 def tokens_wanted(seq: Sequence) -> float:

@@ -47,6 +47,7 @@ class Sequence:
     text_at_end: bool = False              # decode the text once when finished (no one reads it before)
     logprobs: list | None = None
     prompt_logprobs: list | None = None    # per prompt position: None (the first), then {token: Logprob}
+    min_tokens_stops: frozenset = frozenset()  # tokens banned before params.min_tokens (EOS, stop ids)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -24,6 +24,35 @@ class SamplingTensors:
     generators: tuple = ()                  # per row: torch.Generator or None (then the sampler's own)
     all_greedy: bool = False
     num_logprobs: int = -1                  # largest `logprobs` of the step's rows; -1: none asked
+    adjust: "LogitsAdjust | None" = None    # penalties, biases, min_tokens bans; None: no row has any
+
+
+@dataclass
+class LogitsAdjust:
+    """vLLM's logits processors for one step, in its order: min_tokens bans, logit_bias, then the
+    repetition, frequency and presence penalties. Rows without them carry neutral values."""
+    banned: tuple[torch.Tensor, torch.Tensor] | None   # (rows, token ids) set to -inf
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values) added
+    repetition: torch.Tensor | None = None   # float32 [N]: 1 where off
+    seen: torch.Tensor | None = None         # bool [N, V]: in the prompt or the output
+    frequency: torch.Tensor | None = None    # float32 [N]
+    presence: torch.Tensor | None = None     # float32 [N]
+    counts: torch.Tensor | None = None       # float32 [N, V]: occurrences in the output
+
+
+def apply_adjust(logits: torch.Tensor, a: LogitsAdjust) -> torch.Tensor:
+    logits = logits.clone()
+    if a.banned is not None:
+        logits[a.banned] = float("-inf")
+    if a.bias is not None:
+        rows, ids, values = a.bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    if a.repetition is not None:
+        r = torch.where(a.seen, a.repetition[:, None], torch.ones_like(logits))
+        logits = torch.where(logits > 0, logits / r, logits * r)
+    if a.counts is not None:
+        logits -= a.frequency[:, None] * a.counts + a.presence[:, None] * (a.counts > 0)
+    return logits
 
 
 @dataclass
@@ -87,6 +116,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits float32 [N, V] → one token per row."""
         raw = logits
+        if t.adjust is not None:
+            logits = apply_adjust(logits, t.adjust)
         greedy_ids = logits.argmax(-1)
         if t.all_greedy:
             ids = greedy_ids

@@ -37,11 +37,12 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
-    # OpenAI fields the engine does not implement: accepted only at their no-op value.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) → bias
     # vLLM's extra sampling fields
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
@@ -49,13 +50,15 @@ class SamplingRequest(BaseModel):
 
     def unsupported_field(self) -> str | None:
         """The first field set to a value the engine cannot honour (the server answers 400 naming it)."""
-        if self.presence_penalty != 0:
-            return "presence_penalty"
-        if self.frequency_penalty != 0:
-            return "frequency_penalty"
-        if self.logit_bias:
-            return "logit_bias"
         return None
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)!r}") from None
 
     def to_sampling_params(self, default_max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
@@ -63,7 +66,9 @@ class SamplingRequest(BaseModel):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias_ids(), min_tokens=self.min_tokens)
 
 
 class CompletionRequest(SamplingRequest):
