@@ -22,6 +22,10 @@ BENCH_COMMANDS = {
 }
 
 
+# Commands whose dependencies come with an extra: a missing one is a line saying which, not a traceback.
+EXTRAS = {"flexengine.server.api_server": "serve"}
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default unless it is None (there the help says what None means)."""
 
@@ -34,7 +38,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _add(sub, name, module, help_text, chosen: bool):
     parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
     if chosen:  # import only the module that runs, so `flexengine generate` never pays for the server
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if module not in EXTRAS or e.name is None or e.name.startswith("flexengine"):
+                raise
+            print(f"flexengine {name} needs the {EXTRAS[module]} extra, which is not installed (no module "
+                  f"{e.name!r}): pip install 'flexengine[{EXTRAS[module]}]'", file=sys.stderr)
+            raise SystemExit(2) from None
         mod.add_arguments(parser)
         parser.set_defaults(_main=mod.main)
 

@@ -82,3 +82,20 @@ def test_console_script():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.endswith("\n") and len(proc.stdout) > 1
+
+
+def test_serve_without_its_extra_says_which_to_install(capsys):
+    """`flexengine serve` where fastapi is missing: one line naming the extra, exit status 2."""
+    import sys
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules)
+             if name == "fastapi" or name.startswith("fastapi.") or name == "flexengine.server.api_server"}
+    sys.modules["fastapi"] = None  # an import of it now raises ModuleNotFoundError
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--help"])
+    finally:
+        del sys.modules["fastapi"]
+        sys.modules.update(saved)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install 'flexengine[serve]'" in err and "fastapi" in err
