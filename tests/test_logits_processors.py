@@ -72,9 +72,13 @@ def test_greedy_with_processors_matches_transformers_step_by_step(llama, overlap
     stop = (first + 1) % 300
     cases = [SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.6, frequency_penalty=0.9,
                             presence_penalty=0.4, logit_bias={first: -3.0, 7: 1.5}),
+             # the bias makes `first` the likeliest until the penalties of its own repeats outweigh it: the
+             # token just sampled (still PENDING with async scheduling) must count at once
+             SamplingParams(temperature=0, max_tokens=8, logit_bias={first: 4.0}, presence_penalty=2.0,
+                            frequency_penalty=1.5),
              # min_tokens holds back a stop token the bias makes the likeliest: it comes 4th and stops
              SamplingParams(temperature=0, max_tokens=10, min_tokens=3, stop_token_ids=[stop], logit_bias={stop: 60.0})]
-    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, cases, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * len(cases), cases, use_tqdm=False)
     for p, out in zip(cases, outs):
         tokens, output = list(prompt), []
         with torch.no_grad():
@@ -86,7 +90,7 @@ def test_greedy_with_processors_matches_transformers_step_by_step(llama, overlap
                 if t in p.stop_token_ids:
                     break
         assert out.outputs[0].token_ids == output
-    assert outs[1].outputs[0].finish_reason == "stop" and outs[1].outputs[0].token_ids[3:] == [stop]
+    assert outs[2].outputs[0].finish_reason == "stop" and outs[2].outputs[0].token_ids[3:] == [stop]
     assert llm.llm_engine.num_free_blocks() == llm.llm_engine.num_total_blocks
 
 

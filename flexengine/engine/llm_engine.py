@@ -256,10 +256,6 @@ class LLMEngine:
 
     def _step(self) -> dict[str, Request]:
         """Run a step; → the requests that progressed in the step it completes."""
-        if self.in_flight is not None and any(s.params.adjusts_logits for s in self.scheduler.running):
-            # penalties and min_tokens read every token of the history: read the step in flight first
-            done, self.in_flight = self.in_flight, None
-            return self.process(done)
         batch = self.scheduler.schedule()
         if batch.num_steps > 1:
             tokens = self.runner.execute_multi_step(batch).tolist()  # the steps' one device → host sync

@@ -1,6 +1,7 @@
 """One step's logits processors (penalties, logit_bias, min_tokens) from its sequences' histories:
 host lists → the device tensors of layers/sampler.LogitsAdjust. Built every step for the rows that ask
-(their history grows); the engine runs such steps without overlap, so no token is still PENDING here.
+(their history grows). With async scheduling a row's last token may still be PENDING on the host: its
+value is on the device (the step in flight sampled it), and it is counted there.
 """
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from ..layers.sampler import LogitsAdjust
 from .sequence import PENDING, Sequence
 
 
-def build_logits_adjust(seqs: list[Sequence], vocab_size: int, device) -> LogitsAdjust | None:
+def build_logits_adjust(seqs: list[Sequence], vocab_size: int, device,
+                        pending: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> LogitsAdjust | None:
+    """pending: (rows, token ids) on the device of the rows' PENDING tokens (InFlightStep.feed; rows None:
+    the leading rows in order), or None."""
     params = [s.params for s in seqs]
     if not any(p.adjusts_logits for p in params):
         return None
@@ -31,6 +35,8 @@ def build_logits_adjust(seqs: list[Sequence], vocab_size: int, device) -> Logits
         out.seen = torch.zeros(N, vocab_size, dtype=torch.bool, device=device)
         rows, ids = history(seqs, [p.repetition_penalty != 1 for p in params], output_only=False)
         out.seen[to_device(rows, device), to_device(ids, device)] = True
+        if pending is not None:
+            out.seen[pending_index(pending)] = True
     if any(p.frequency_penalty or p.presence_penalty for p in params):
         out.frequency = to_device(np.asarray([p.frequency_penalty for p in params], dtype=np.float32), device)
         out.presence = to_device(np.asarray([p.presence_penalty for p in params], dtype=np.float32), device)
@@ -38,14 +44,24 @@ def build_logits_adjust(seqs: list[Sequence], vocab_size: int, device) -> Logits
         rows, ids = history(seqs, [bool(p.frequency_penalty or p.presence_penalty) for p in params], output_only=True)
         out.counts.index_put_((to_device(rows, device), to_device(ids, device)),
                               torch.ones(len(rows), device=device), accumulate=True)
+        if pending is not None:  # rows that did not ask have zero penalties: counting theirs is harmless
+            index = pending_index(pending)
+            out.counts.index_put_(index, torch.ones(len(index[1]), device=device), accumulate=True)
     return out
 
 
+def pending_index(pending: tuple[torch.Tensor | None, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, ids = pending
+    if rows is None:
+        rows = torch.arange(len(ids), device=ids.device)
+    return rows, ids
+
+
 def history(seqs: list[Sequence], wanted: list[bool], output_only: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(row, token id) of every token of the wanted rows: their output, or prompt and output."""
+    """(row, token id) of every known token of the wanted rows: their output, or prompt and output."""
     parts = [(i, s.token_ids[s.num_prompt_tokens if output_only else 0:]) for i, (s, w) in enumerate(zip(seqs, wanted))
              if w]
     rows = np.concatenate([np.full(len(t), i, np.int64) for i, t in parts] or [np.zeros(0, np.int64)])
     ids = np.concatenate([np.asarray(t, np.int64) for _, t in parts] or [np.zeros(0, np.int64)])
-    assert not (ids == PENDING).any(), "a step with logits processors runs with every token known"
-    return rows, ids
+    known = ids != PENDING  # a pending token is counted on the device (build_logits_adjust)
+    return rows[known], ids[known]

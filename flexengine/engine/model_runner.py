@@ -195,7 +195,8 @@ class ModelRunner:
         return PackedStep(ids, positions, slots, tables, padded_lens, layout, [seqs[i] for i in done], ends[done] - 1,
                           ends - 1)
 
-    def prepare_step(self, batch: ScheduledBatch, sampling: bool = True, packed: PackedStep | None = None) -> StepInputs:
+    def prepare_step(self, batch: ScheduledBatch, sampling: bool = True, packed: PackedStep | None = None,
+                     prev: InFlightStep | None = None) -> StepInputs:
         """pack_step (unless given), then the device half: one transfer per array, the metadata built once."""
         p = packed or self.pack_step(batch)
         num_blocks = self.layers[0].k_cache.shape[0]  # the attached cache (a scratch one while profiling)
@@ -210,7 +211,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=self.to_device(p.ids), positions=self.to_device(p.positions), meta=meta,
             sample_seqs=p.sample_seqs, sample_rows=self.to_device(p.sample_rows),
-            sampling=self.sampling_tensors(p.sample_seqs) if sampling and p.sample_seqs else None)
+            sampling=self.sampling_tensors(p.sample_seqs, prev) if sampling and p.sample_seqs else None)
 
     def layout_padding(self, query_lens: list[int], seq_lens: list[int]) -> dict:
         """With static shapes, pad decode rows and prefill tiles to the compiled buckets (the split-KV
@@ -256,16 +257,20 @@ class ModelRunner:
         return {name: self.to_device(np.asarray([g.get(name, 0) for g in given] + pad, dtype=NUMPY_DTYPES[p.dtype]))
                 for name, p in sorted(self.mod_params.items())}
 
-    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+    def sampling_tensors(self, seqs: list[Sequence], prev: InFlightStep | None = None) -> SamplingTensors:
         """The rows' sampling parameters on the device; those of the last call when its sequences were
-        the same (decode steps of an unchanged batch: no transfer)."""
+        the same (decode steps of an unchanged batch: no transfer). prev: the step in flight, whose
+        samples are the rows' PENDING tokens (penalties count them)."""
         last_seqs, last = self._last_sampling
         if seqs == last_seqs:  # Sequence compares by identity
             tensors = last
         else:
             tensors = self.build_sampling_tensors(seqs)
             self._last_sampling = (list(seqs), tensors)
-        adjust = build_logits_adjust(seqs, self.vocab_size, self.device)  # the rows' histories grow: every step
+        if not any(s.params is not None and s.params.adjusts_logits for s in seqs):
+            return tensors
+        pending = None if prev is None else prev.feed(seqs, np.arange(len(seqs)), self.device)
+        adjust = build_logits_adjust(seqs, self.vocab_size, self.device, pending)  # histories grow: every step
         return tensors if adjust is None else dataclasses.replace(tensors, adjust=adjust)
 
     def build_sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
@@ -358,7 +363,7 @@ class ModelRunner:
             ids, *rest = self.prepare_decode(batch.seqs)
             feed_inputs(ids, self.feed(prev, batch.seqs, range(len(batch.seqs))))
             logits = self.decode_graphs.run(ids, *rest)
-            return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs)), None
+            return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs, prev)), None
         p = self.pack_step(batch) if self.mixed_graphs is not None else None
         if p is not None and self.mixed_graphs.fits(p.layout):  # a step with prompt tokens, from a graph
             hidden = self.mixed_graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
@@ -367,10 +372,10 @@ class ModelRunner:
             inputs = StepInputs(  # the graph's buffers hold the model inputs
                 input_ids=None, positions=None, meta=None, sample_seqs=p.sample_seqs,
                 sample_rows=self.to_device(p.sample_rows),
-                sampling=self.sampling_tensors(p.sample_seqs) if p.sample_seqs else None)
+                sampling=self.sampling_tensors(p.sample_seqs, prev) if p.sample_seqs else None)
         else:
             p = p or self.pack_step(batch)
-            inputs = self.prepare_step(batch, packed=p)
+            inputs = self.prepare_step(batch, packed=p, prev=prev)
             feed_inputs(inputs.input_ids, self.feed(prev, batch.seqs, p.last_rows))
             hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         prompt = score_prompt_tokens(self.model.compute_logits, hidden, batch.seqs, batch.num_new_tokens,
