@@ -173,8 +173,10 @@ class LLMEngine:
         bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary size {self.vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name}={k} is more than the vocabulary size {self.vocab_size}")
         self.validate_attention_params(params.attention_params or {})
 
     def validate_attention_params(self, given: dict) -> None:

@@ -43,6 +43,10 @@ class SamplingRequest(BaseModel):
     # vLLM's extra sampling fields
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
     # Fields that change the output and that this server does not honour yet: a 400 naming them, never
     # dropped in silence (structured outputs: issue 20).
     response_format: Any = None
@@ -52,10 +56,6 @@ class SamplingRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     tools: Any = None
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
 
     def unsupported_field(self) -> str | None:
         """The first field set to a value the engine cannot honour (the server answers 400 naming it)."""
