@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention.metadata import KV_TILE, LAYOUT_FIELDS, Q_TILE, StepLayout, metadata_on_device
+from ..attention.metadata import KV_TILE, LAYOUT_FIELDS, Q_TILE, StepLayout, copy_into, metadata_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class MixedBuffers:
         self.sizes = {"ids": T, "positions": T, "slots": T, "seq_lens": rows, **key.field_sizes()}
         self.packed = torch.zeros(sum(self.sizes.values()), dtype=torch.int64, device=device)
         self.views = dict(zip(self.sizes, self.packed.split(list(self.sizes.values()))))
+        self.device = device  # the engine's, so the copies share its pinned staging ring
         # The backend reads only the layout's counts; host lists that would be stale are emptied.
         self.layout = dataclasses.replace(layout, query_lens=[], seq_lens=[], num_tokens=T, padded_tokens=True)
 
@@ -94,15 +95,7 @@ class MixedBuffers:
                 array = np.concatenate([array[:-1], np.zeros(pad, np.int64), array[-1:]])
             assert len(array) == self.sizes[name], (name, len(array), self.sizes[name])
             parts.append(array)
-        copy_in(self.packed, np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
-
-
-def copy_in(buffer: torch.Tensor, host: np.ndarray) -> None:
-    """Copy a host array into the start of a static device buffer (from pinned memory on CUDA)."""
-    t = torch.from_numpy(host)
-    if buffer.is_cuda:
-        t = t.pin_memory()
-    buffer[: t.numel()].copy_(t, non_blocking=True)
+        copy_into(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), self.packed, self.device)
 
 
 class MixedGraphRunner:
@@ -157,7 +150,7 @@ class MixedGraphRunner:
             self.buffers[key] = MixedBuffers(key, self.rows, layout, self.device)
         self.buffers[key].fill(ids, positions, slots, seq_lens, layout, self.scratch_slot)
         assert tables.shape[0] == self.rows and tables.shape[1] <= self.width, (tables.shape, self.rows, self.width)
-        copy_in(self.tables_WR, np.ascontiguousarray(tables.T).ravel())
+        copy_into(np.ascontiguousarray(tables.T).ravel(), self.tables_WR, self.device)
         if feed is not None:
             feed(self.buffers[key].views["ids"])
         for name, buf in self.params.items():

@@ -253,6 +253,19 @@ def to_device(array: np.ndarray, device) -> torch.Tensor:
     return staging(device).copy(t)
 
 
+def copy_into(array: np.ndarray, buffer: torch.Tensor, device) -> None:
+    """to_device, into the start of an existing buffer (a CUDA graph's static input) on `device`."""
+    t = torch.from_numpy(array)
+    dst = buffer[: t.numel()].view(t.shape)
+    device = torch.device(device)
+    if device.type != "cuda":
+        dst.copy_(t)
+    elif torch.cuda.is_current_stream_capturing() or t.nbytes > PinnedStaging.SLOT_BYTES:
+        dst.copy_(t.pin_memory(), non_blocking=True)
+    else:
+        staging(device).copy(t, out=dst)
+
+
 class PinnedStaging:
     """A ring of preallocated pinned slots for small host→device copies. Pinning fresh memory for each
     copy (`pin_memory()`) took 12% of the server engine's host time on the H100 box (py-spy). A slot
@@ -265,14 +278,18 @@ class PinnedStaging:
         self.copied: list[torch.cuda.Event | None] = [None] * self.SLOTS
         self.next = 0
 
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
+    def copy(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """t on the device: a new tensor, or written into `out`."""
         i, self.next = self.next, (self.next + 1) % self.SLOTS
         if self.copied[i] is not None:
             self.copied[i].synchronize()  # long done, unless SLOTS copies are still queued
         start = i * self.SLOT_BYTES
         slot = self.buffer[start:start + t.nbytes].view(t.dtype).view(t.shape)
         slot.copy_(t)
-        out = slot.to(self.device, non_blocking=True)
+        if out is None:
+            out = slot.to(self.device, non_blocking=True)
+        else:
+            out.copy_(slot, non_blocking=True)
         self.copied[i] = self.copied[i] or torch.cuda.Event()
         self.copied[i].record()
         return out
