@@ -113,8 +113,11 @@ def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: boo
 
 def _prefill_rows(meta: AttentionMetadata):
     """Each prefill row's request, position and workspace start, as int32: the index arithmetic of the
-    mods then stays in 32 bits, as FlashAttention-4's CuTe code generator requires (it refused int64)."""
-    return meta.prefill_req.int(), meta.prefill_pos.int(), meta.prefill_kv0.int()
+    mods then stays in 32 bits, as FlashAttention-4's CuTe code generator requires (it refused int64).
+    Made once per step, for every mask and score mod."""
+    if "prefill_rows" not in meta.backend_state:
+        meta.backend_state["prefill_rows"] = (meta.prefill_req.int(), meta.prefill_pos.int(), meta.prefill_kv0.int())
+    return meta.backend_state["prefill_rows"]
 
 
 def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: bool = False):
