@@ -95,7 +95,7 @@ def safetensors_files(path: str) -> list[str]:
     if found:
         return [os.path.join(path, f) for f in found]
     others = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".gguf"))]
-    hint = f" (found {', '.join(others)}; only safetensors is supported)" if others else ""
+    hint = f" (found {', '.join(others)}; only safetensors and GGUF are read)" if others else ""
     raise ValueError(f"no safetensors weights in {path}{hint}")
 
 
@@ -204,8 +204,15 @@ def resolve_device(device) -> torch.device:
 
 
 def load_model(model: str, dtype="auto", device="cpu", trust_remote_code: bool = False):
-    """(model, hf_config, tokenizer or None) for a local checkpoint directory or a cached hub id."""
+    """(model, hf_config, tokenizer or None) for a local checkpoint directory, a GGUF file (or a directory
+    holding one), a cached hub id, or a named model flexengine fetches (default_model.NAMED_MODELS)."""
     resolve_dtype(dtype)  # a bad dtype fails before any file is read
+    from .default_model import resolve_named_model
+    from .gguf import find_gguf, load_gguf
+    model = resolve_named_model(model)
+    gguf_file = find_gguf(model)
+    if gguf_file is not None:
+        return load_gguf(gguf_file, dtype, device)
     path = resolve_model_path(model)
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     cls = get_model_class(hf_config)
