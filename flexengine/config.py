@@ -28,6 +28,19 @@ def env_flex_prefill_kernel() -> str:
     return value
 
 
+DIST_BACKEND_ENV = "FLEXENGINE_DIST_BACKEND"
+DIST_BACKENDS = ("auto", "nccl", "gloo")
+
+
+def env_dist_backend() -> str:
+    """The torch.distributed backend of tensor parallelism: auto (NCCL on CUDA, gloo on the CPU), nccl or
+    gloo, from FLEXENGINE_DIST_BACKEND."""
+    value = os.environ.get(DIST_BACKEND_ENV, "").strip().lower() or "auto"
+    if value not in DIST_BACKENDS:
+        raise ValueError(f"{DIST_BACKEND_ENV} must be one of {', '.join(DIST_BACKENDS)}, got {value!r}")
+    return value
+
+
 def env_api_key() -> str | None:
     """The server's bearer token from FLEXENGINE_API_KEY (used when --api-key is not given)."""
     return os.environ.get("FLEXENGINE_API_KEY") or None
@@ -81,6 +94,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None → FLEXENGINE_ATTENTION_BACKEND → auto
     enforce_eager: bool = False
+    # Ranks the model is sharded over (Megatron-style, one process each; flexengine/parallel/).
+    tensor_parallel_size: int = 1
     # Pure decode steps run this many forward passes per schedule, each fed the last one's tokens on
     # the device, with one host sync at the end (vLLM's multi-step scheduling); CUDA graphs only.
     num_scheduler_steps: int = 1
@@ -103,7 +118,8 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
+                     "tensor_parallel_size"):
             positive(name)
         positive("num_kv_blocks", allow_none=True)
         positive("max_model_len", allow_none=True)

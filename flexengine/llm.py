@@ -19,13 +19,15 @@ class LLM:
                  block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = True,
-                 attention_backend: str | None = None, enforce_eager: bool = False, seed: int = 0,
+                 attention_backend: str | None = None, enforce_eager: bool = False, tensor_parallel_size: int = 1,
+                 seed: int = 0,
                  mask_mod=None, score_mod=None, num_scheduler_steps: int = 1, async_scheduling: bool = False):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend, enforce_eager=enforce_eager, seed=seed,
+            attention_backend=attention_backend, enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size, seed=seed,
             mask_mod=mask_mod, score_mod=score_mod, num_scheduler_steps=num_scheduler_steps,
             async_scheduling=async_scheduling)
         self.llm_engine = LLMEngine(self.config)

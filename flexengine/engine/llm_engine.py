@@ -88,6 +88,11 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (they also stop when the engine is collected, or at exit)."""
+        if self.runner.workers is not None:
+            self.runner.workers.shutdown()
+
     def _use_prefix_cache(self) -> bool:
         """The prefix cache as asked for, unless the layers' mods would make shared pages wrong."""
         if not self.config.enable_prefix_caching:

@@ -31,6 +31,10 @@ from .layer_mods import apply_mod_overrides, mod_params
 from .logits_adjust import build_logits_adjust
 from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
 from .in_flight import InFlightStep, feed_inputs
+from ..parallel.driver import drive_workers
+from ..parallel.heads import shift_layer_mods
+from ..parallel.launch import agree_on_min, start_tensor_parallel
+from ..parallel.state import building_for
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -83,18 +87,22 @@ class ModelRunner:
         from ..models.loader import load_model  # the model side; imported here so the engine imports stay light
 
         self.config = config
-        self.device = resolve_device(config.device)
         if config.model is None:
             from ..models.default_model import default_model_path
             self.model_path = default_model_path()
         else:
             self.model_path = os.fspath(config.model)
-        self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
+        # Tensor parallelism (parallel/): checks, spawns the workers, joins their group; at TP=1 nothing.
+        self.tp, self.workers = start_tensor_parallel(config, self.model_path)
+        self.device = resolve_device(config.device)
+        with building_for(self.tp):  # this rank's shard of every layer, read from its slices of the checkpoint
+            self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
         self.layers = self.model.attention_layers()
         # Before the backend is chosen; checked on positions up to the longest max_model_len can become.
         apply_mod_overrides(self.layers, config.mask_mod, config.score_mod,
                             max_len=wanted_max_model_len(config, self.hf_config), num_reqs=config.max_num_seqs,
                             device=self.device)
+        shift_layer_mods(self.layers)  # under TP, a mod sees global head indices
         first = self.layers[0]
         assert all((a.num_kv_heads, a.head_dim) == (first.num_kv_heads, first.head_dim) for a in self.layers), \
             "one KV cache shape for every layer"
@@ -123,7 +131,7 @@ class ModelRunner:
         self.sampler = Sampler(self.generator)
         self._last_sampling: tuple[list[Sequence] | None, SamplingTensors | None] = (None, None)
 
-        self.num_blocks = config.num_kv_blocks or measure_num_blocks(self)
+        self.num_blocks = config.num_kv_blocks or agree_on_min(measure_num_blocks(self), self.tp)
         self.max_model_len = choose_max_model_len(config, self.hf_config, self.num_blocks)
         # One page past the block manager's: padded rows of a captured batch write their K/V there.
         self.kv_cache = allocate_kv_cache(len(self.layers), self.num_blocks + 1, self.block_size, self.num_kv_heads,
@@ -153,6 +161,8 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; max_model_len %d", self.num_blocks,
                     self.block_size, self.num_blocks * bytes_per_block(self) / 2 ** 20, self.device,
                     self.max_model_len)
+        if self.workers is not None:  # rank 0: from here on, each step is announced to the workers
+            drive_workers(self, self.workers)
 
     def attach_kv_cache(self, cache: torch.Tensor | None) -> None:
         for i, layer in enumerate(self.layers):

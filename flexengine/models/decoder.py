@@ -15,10 +15,13 @@ from ..attention.layer import Attention
 from ..compile import fused
 from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
-from ..layers.linear import MergedLinear
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..masks import causal, sliding_window, softcap
+from ..parallel.collectives import broadcast_from_first
+from ..parallel.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                               VocabParallelEmbedding, divide, gather_vocab, kv_heads_of_rank)
+from ..parallel.state import tp_group
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types values
 
@@ -62,13 +65,14 @@ class DecoderSpec:
 
 
 class DecoderAttention(nn.Module):
+    """Under tensor parallelism: this rank's query and KV heads (q/k/v column-parallel, o_proj row-parallel)."""
+
     def __init__(self, spec: DecoderSpec, attn: Attention):
         super().__init__()
         Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size, self.kv_size, self.head_dim = Hq * D, Hkv * D, D
-        self.qkv_proj = MergedLinear(spec.hidden_size, {"q_proj": Hq * D, "k_proj": Hkv * D, "v_proj": Hkv * D},
-                                     bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(Hq * D, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, Hq, Hkv, D, bias=spec.qkv_bias)
+        self.q_size, self.kv_size, self.head_dim = self.qkv_proj.num_heads * D, self.qkv_proj.num_kv_heads * D, D
+        self.o_proj = RowParallelLinear(Hq * D, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(D, spec.rms_norm_eps, spec.norm_unit_offset)
             self.k_norm = RMSNorm(D, spec.rms_norm_eps, spec.norm_unit_offset)
@@ -94,9 +98,10 @@ class DecoderMLP(nn.Module):
     def __init__(self, spec: DecoderSpec):
         super().__init__()
         I = spec.intermediate_size  # noqa: E741
-        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate_proj": I, "up_proj": I}, bias=spec.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, {"gate_proj": I, "up_proj": I},
+                                                       bias=spec.mlp_bias)
         self.act = ActAndMul(spec.activation)
-        self.down_proj = nn.Linear(I, spec.hidden_size, bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(I, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -145,14 +150,21 @@ def make_attention_layers(spec: DecoderSpec) -> list[Attention]:
     masks = {FULL: (causal, "global")}
     if SLIDING in spec.layer_types:
         masks[SLIDING] = (sliding_window(spec.sliding_window), "sliding")
-    return [Attention(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale, mask_mod=masks[t][0],
-                      score_mod=score, kind=masks[t][1]) for t in spec.layer_types]
+    # Tensor parallelism: this rank's heads (QKVParallelLinear checks that they divide evenly).
+    tp = tp_group()
+    heads = divide(spec.num_heads, tp.size, "the number of attention heads")
+    kv_heads = kv_heads_of_rank(spec.num_kv_heads, tp.rank, tp.size)[1]
+    layers = [Attention(heads, kv_heads, spec.head_dim, scale, mask_mod=masks[t][0], score_mod=score, kind=masks[t][1])
+              for t in spec.layer_types]
+    for a in layers:  # a mod sees global head indices (parallel/heads.py): rank r's head 0 is head r * heads
+        a.total_heads, a.head_offset = spec.num_heads, tp.rank * heads
+    return layers
 
 
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
         attns = make_attention_layers(spec)
         self.layers = nn.ModuleList(DecoderLayer(spec, t, a) for t, a in zip(spec.layer_types, attns))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_unit_offset)
@@ -162,8 +174,10 @@ class DecoderModel(nn.Module):
         self.rotary = nn.ModuleDict({k: RotaryEmbedding(spec.head_dim, spec.rope[k]) for k in set(self.rope_key.values())})
         self.embed_scale_value = spec.embed_scale
         self.embed_scale: float | None = None  # set by reset_buffers, once the dtype is known
+        self.tp = tp_group()
 
     def reset_buffers(self) -> None:
+        self.embed_tokens.zero_padding()
         for rope in self.rotary.values():
             rope.reset_buffers()
         if self.embed_scale_value is not None:
@@ -171,6 +185,8 @@ class DecoderModel(nn.Module):
             self.embed_scale = float(torch.tensor(self.embed_scale_value, dtype=self.embed_tokens.weight.dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.tp.size > 1:  # rank 0's ids, which may have been fed from its own samples on the device
+            input_ids = broadcast_from_first(input_ids, self.tp.device)
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -189,11 +205,13 @@ class DecoderForCausalLM(nn.Module):
         self.spec = spec
         self.model = DecoderModel(spec)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size)
 
     def reset_buffers(self) -> None:
         """Rebuild non-checkpoint state (rotary frequencies, embedding scale) on the current device."""
         self.model.reset_buffers()
+        if not self.spec.tie_word_embeddings:
+            self.lm_head.zero_padding()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -202,8 +220,8 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        logits = nn.functional.linear(hidden, weight)
+        head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
+        logits = gather_vocab(nn.functional.linear(hidden, head.weight), head)  # [N, V] on every rank
         if self.spec.final_softcap is not None:  # in the model dtype, as transformers does
             cap = self.spec.final_softcap
             logits = torch.tanh(logits / cap) * cap

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
 from ..layers.linear import MergedLinear
+from ..parallel.shard import shard_layout
 from ..tokenizer import load_tokenizer
 from .registry import get_model_class
 
@@ -31,7 +32,8 @@ class TensorTarget:
     """Where one checkpoint tensor goes: a parameter, optionally only some of its rows."""
     param: str
     rows: slice | None
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]              # the checkpoint tensor's (whole) shape
+    source: tuple | None = None         # tensor parallelism: the index of the part this rank reads
 
 
 def resolve_model_path(model: str) -> str:
@@ -137,7 +139,7 @@ def checkpoint_layout(model: torch.nn.Module) -> dict[str, TensorTarget]:
                 layout[f"{parent}.{shard}.{leaf}"] = TensorTarget(pname, rows, shape)
         else:
             layout[pname] = TensorTarget(pname, None, tuple(p.shape))
-    return layout
+    return shard_layout(model, layout)  # a rank's slices under tensor parallelism; as is at TP=1
 
 
 def is_harmless_extra(name: str, model) -> bool:
@@ -194,7 +196,7 @@ def load_weights(model: torch.nn.Module, files: list[str], headers: dict | None 
                 target = layout[renames.get(name, name)]
                 dest = params[target.param]
                 dest = dest[target.rows] if target.rows is not None else dest
-                dest.copy_(f.get_tensor(name))
+                dest.copy_(f.get_tensor(name) if target.source is None else f.get_slice(name)[target.source])
 
 
 def resolve_device(device) -> torch.device:

@@ -1,0 +1,119 @@
+"""Rank 0's side of a step: before each device call that every rank makes, tell the workers what to run.
+
+`drive_workers(runner, pool)` wraps, on rank 0's ModelRunner only, the four calls a step makes on the
+model: run_model (an eager step), model.compute_logits (sampling, prompt logprobs), the decode graphs'
+run / run_next and the mixed graphs' run. Each sends a small pickled description over the control group
+(gloo) and broadcasts the step's device tensors over the device group; the worker (parallel/worker.py)
+makes the same call on its shard. Rank 0's input ids reach the workers inside the model (they may have
+been fed from rank 0's samples on the device), so no row of the step ever leaves the device.
+The scheduler, the block manager and the sampler exist on rank 0 alone: only rank 0 samples.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .state import TPGroup
+
+
+def send(tp: TPGroup, message: tuple) -> None:
+    dist.broadcast_object_list([message], src=0, group=tp.control)
+
+
+def receive(tp: TPGroup) -> tuple:
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=tp.control)
+    return box[0]
+
+
+def specs(tensors: list[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
+def broadcast_tensors(tp: TPGroup, tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        dist.broadcast(t.contiguous(), src=0, group=tp.device)
+
+
+def receive_tensors(tp: TPGroup, wanted: list[tuple[tuple[int, ...], torch.dtype]], device) -> list[torch.Tensor]:
+    out = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in wanted]
+    for t in out:
+        dist.broadcast(t, src=0, group=tp.device)
+    return out
+
+
+def forward_tensors(positions, meta) -> tuple[list[str], list[torch.Tensor]]:
+    names = sorted(meta.params)
+    return names, [positions, meta.block_tables, meta.seq_lens, meta.slot_mapping, *(meta.params[n] for n in names)]
+
+
+def drive_workers(runner, pool) -> None:
+    """Once the workers have built their runners: make rank 0's runner tell them each device call
+    before it makes it (see the module doc), and stop them when the runner goes."""
+    import weakref
+    runner.finalize_workers = weakref.finalize(runner, pool.shutdown)  # also at interpreter exit
+    pool.wait_for("ready")
+    tp = pool.tp
+
+    def announce(message: tuple, tensors: list[torch.Tensor]) -> None:
+        send(tp, message + (specs(tensors),))
+        broadcast_tensors(tp, tensors)
+
+    run_model = runner.run_model
+
+    def run_model_tp(input_ids, positions, meta):
+        with pool.step() as outermost:
+            if outermost:
+                names, tensors = forward_tensors(positions, meta)
+                announce(("forward", input_ids.shape[0], meta.layout, meta.block_size, meta.num_blocks, names),
+                         tensors)
+            return run_model(input_ids, positions, meta)
+
+    compute_logits = runner.model.compute_logits
+
+    def compute_logits_tp(hidden):
+        with pool.step() as outermost:
+            if outermost:
+                announce(("logits",), [hidden])
+            return compute_logits(hidden)
+
+    runner.run_model = run_model_tp
+    runner.model.compute_logits = compute_logits_tp
+    if runner.decode_graphs is not None:
+        wrap_decode_graphs(runner.decode_graphs, pool, announce)
+    if runner.mixed_graphs is not None:
+        wrap_mixed_graphs(runner.mixed_graphs, pool, announce)
+
+
+def wrap_decode_graphs(graphs, pool, announce) -> None:
+    run, run_next = graphs.run, graphs.run_next
+
+    def run_tp(input_ids, positions, slot_mapping, block_tables, seq_lens, params):
+        with pool.step() as outermost:
+            if outermost:
+                names = sorted(params)
+                announce(("decode", input_ids.shape[0], names),
+                         [positions, slot_mapping, block_tables, seq_lens, *(params[n] for n in names)])
+            return run(input_ids, positions, slot_mapping, block_tables, seq_lens, params)
+
+    def run_next_tp(token_ids):
+        with pool.step() as outermost:
+            if outermost:
+                announce(("decode_next", token_ids.shape[0]), [])
+            return run_next(token_ids)
+
+    graphs.run, graphs.run_next = run_tp, run_next_tp
+
+
+def wrap_mixed_graphs(graphs, pool, announce) -> None:
+    run = graphs.run
+
+    def run_tp(ids, positions, slots, tables, seq_lens, layout, params, feed=None):
+        with pool.step() as outermost:
+            if outermost:  # host arrays, pickled; the parameters are on the device
+                names = sorted(params)
+                announce(("mixed", len(ids), positions, slots, tables, seq_lens, layout, names),
+                         [params[n] for n in names])
+            return run(ids, positions, slots, tables, seq_lens, layout, params, feed=feed)
+
+    graphs.run = run_tp

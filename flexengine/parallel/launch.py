@@ -1,0 +1,252 @@
+"""Starting the tensor-parallel ranks, and ending them.
+
+`start_tensor_parallel(config, model_path)` on the engine's process: checks the request (a ValueError
+naming the numbers, before any process starts), spawns one worker process per extra rank (torch
+multiprocessing, spawn context), and joins the group as rank 0. Under torchrun (RANK / WORLD_SIZE in
+the environment) no process is spawned: every rank builds the engine and the env:// rendezvous joins
+them (see parallel/worker.py for what ranks > 0 then do).
+
+A worker that dies ends the engine: the next (or the current) step raises a RuntimeError that names it,
+the other workers are killed, and the group is left; no process stays behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+import socket
+import time
+import traceback
+
+import torch
+
+from ..config import EngineConfig, env_dist_backend
+from .state import SINGLE, TPGroup, building_for, destroy_tensor_parallel, init_tensor_parallel, tp_group
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0   # a worker loads its shard (and on a GPU compiles) within this
+STOP_TIMEOUT_S = 10.0     # then it is killed
+
+
+def wanted_device(config: EngineConfig) -> str:
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return config.device
+
+
+def check_tensor_parallel(config: EngineConfig, model_path: str) -> None:
+    """Everything that can be wrong with a TP request, as a ValueError, before any process starts."""
+    n = config.tensor_parallel_size
+    device = torch.device(wanted_device(config))
+    backend = env_dist_backend()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(f"FLEXENGINE_DIST_BACKEND=nccl needs CUDA, and this machine has none "
+                         f"(torch.cuda.device_count() = {torch.cuda.device_count()}); use gloo on the CPU")
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        first = device.index or 0
+        if first + n > visible:
+            raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs (cuda:{first}..cuda:{first + n - 1}), but "
+                             f"{visible} {'is' if visible == 1 else 'are'} visible")
+    elif backend == "nccl":
+        raise ValueError(f"FLEXENGINE_DIST_BACKEND=nccl runs on CUDA devices, but device={config.device!r}")
+    if model_path.endswith(".gguf"):
+        raise ValueError("tensor parallelism reads slices of safetensors checkpoints; a GGUF file is not sharded")
+    # Build the model's rank-0 shard on the meta device: every divisibility rule of the sharded layers
+    # (attention heads, KV heads, MLP and vocabulary sizes) raises here, with its numbers.
+    from transformers import AutoConfig
+    from ..models.registry import get_model_class
+    hf_config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"), building_for(TPGroup(rank=0, size=n)):
+        get_model_class(hf_config)(hf_config)
+    try:
+        pickle.dumps(config)
+    except Exception as e:
+        raise ValueError(f"tensor_parallel_size={n}: the engine's settings go to the worker processes by pickle, "
+                         f"and they do not pickle ({e}); pass mask_mod / score_mod as registered names or "
+                         f"module-level functions") from e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(config: EngineConfig, rank: int) -> str:
+    device = torch.device(wanted_device(config))
+    return f"cuda:{(device.index or 0) + rank}" if device.type == "cuda" else device.type
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def start_tensor_parallel(config: EngineConfig, model_path: str) -> tuple[TPGroup, "WorkerPool | None"]:
+    """(this process's group, the spawned workers or None). At size 1: (SINGLE, None), nothing started.
+    A process that already is a worker rank (spawned, or torchrun's rank > 0) gets its group."""
+    n = config.tensor_parallel_size
+    if n == 1:
+        return SINGLE, None
+    if tp_group().size > 1 and not tp_group().is_driver:
+        return tp_group(), None  # a worker building its runner
+    check_tensor_parallel(config, model_path)
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != n:
+            raise ValueError(f"tensor_parallel_size={n}, but torchrun started WORLD_SIZE={world} processes")
+        rank = int(os.environ["RANK"])
+        return init_tensor_parallel(rank, n, torch.device(rank_device(config, rank)), "env://"), None
+    pool = WorkerPool(config, model_path)
+    try:
+        tp = pool.join_as_driver()
+    except BaseException:
+        pool.shutdown()
+        raise
+    return tp, pool
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class WorkerPool:
+    """The spawned worker processes of rank 1..N-1, as seen from rank 0."""
+
+    def __init__(self, config: EngineConfig, model_path: str):
+        from .worker import worker_main
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.size = config.tensor_parallel_size
+        self.rank0_device = rank_device(config, 0)
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.procs, self.conns = [], []
+        self.failed: WorkerFailed | None = None
+        self.tp: TPGroup | None = None
+        self.depth = 0  # > 0 while rank 0 runs a step the workers were told about (nested calls pass through)
+        for rank in range(1, self.size):
+            worker_config = dataclasses.replace(config, model=model_path, device=rank_device(config, rank))
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(rank, self.size, worker_config, self.init_method, child),
+                               name=f"flexengine-tp{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def join_as_driver(self) -> TPGroup:
+        self.wait_for("joining")  # a worker that fails to import or start says so instead of hanging the rendezvous
+        self.tp = init_tensor_parallel(0, self.size, torch.device(self.rank0_device), self.init_method)
+        return self.tp
+
+    def wait_for(self, what: str, timeout: float = START_TIMEOUT_S) -> None:
+        """Each worker's `what` message; a worker that dies or reports an error first raises WorkerFailed."""
+        deadline = time.monotonic() + timeout
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.05):
+                if not proc.is_alive():
+                    raise self.fail(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode}) while starting")
+                if time.monotonic() > deadline:
+                    raise self.fail(f"tensor-parallel worker rank {rank} did not start within {timeout:.0f} s")
+            try:
+                message = conn.recv()
+            except EOFError:  # it closed its end without a word: it died
+                proc.join(STOP_TIMEOUT_S)
+                raise self.fail(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode}) while starting")
+            if message[0] == "error":
+                raise self.fail(f"tensor-parallel worker rank {rank} failed while starting:\n{message[1]}")
+            assert message[0] == what, (message, what)
+
+    # ------------------------------------------------------------ liveness and failure
+    def dead_worker(self) -> str | None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is not None:
+                return f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def fail(self, reason: str, cause: BaseException | None = None) -> WorkerFailed:
+        """End every rank and return the error to raise (the same one for every later call)."""
+        if self.failed is None:
+            detail = self.worker_errors()
+            self.failed = WorkerFailed(f"{reason}; the tensor-parallel engine has stopped and cannot run more "
+                                       f"steps (start a new one){detail}")
+            if cause is not None:
+                self.failed.__cause__ = cause
+            self.kill()
+        return self.failed
+
+    def worker_errors(self) -> str:
+        lines = []
+        for rank, conn in enumerate(self.conns, start=1):
+            with contextlib.suppress(Exception):
+                while conn.poll(0):
+                    message = conn.recv()
+                    if message[0] == "error":
+                        lines.append(f"\nworker rank {rank}: {message[1]}")
+        return "".join(lines)
+
+    @contextlib.contextmanager
+    def step(self):
+        """A call that involves every rank. Rank 0's messages are sent only at the outermost one; any
+        failure inside ends the engine (the ranks are out of step after it)."""
+        if self.failed is not None:
+            raise self.failed
+        dead = self.dead_worker()
+        if dead:
+            raise self.fail(dead)
+        self.depth += 1
+        try:
+            yield self.depth == 1
+        except WorkerFailed:
+            raise
+        except Exception as e:
+            time.sleep(0.2)  # a worker killed mid-collective: let its exit code show
+            raise self.fail(self.dead_worker() or f"a step failed on rank 0 ({type(e).__name__}: {e})", e) from e
+        finally:
+            self.depth -= 1
+
+    # ------------------------------------------------------------ shutdown
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(STOP_TIMEOUT_S)
+        self.close_group()
+
+    def close_group(self) -> None:
+        if self.tp is not None:
+            self.tp = None
+            with contextlib.suppress(Exception):
+                destroy_tensor_parallel()
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, wait for them, kill any that does not; leave the group. Idempotent."""
+        if self.failed is None and self.tp is not None and all(p.is_alive() for p in self.procs):
+            from .driver import send
+            with contextlib.suppress(Exception):
+                send(self.tp, ("stop",))
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                logger.warning("tensor-parallel worker %s did not stop within %.0f s: killed", proc.name,
+                               STOP_TIMEOUT_S)
+                proc.kill()
+                proc.join(STOP_TIMEOUT_S)
+        self.close_group()
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+
+
+def agree_on_min(value: int, tp: TPGroup) -> int:
+    """The smallest of every rank's value (each rank measures its own free memory for the KV cache)."""
+    if tp.size == 1:
+        return value
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.control)
+    return int(t.item())

@@ -1,0 +1,74 @@
+"""A worker rank: build the same ModelRunner on this rank's shard, then make each device call rank 0
+announces (parallel/driver.py) until it says stop. A worker has no scheduler, no block manager and no
+sampler; its KV cache holds its own heads of the pages rank 0 hands out.
+
+Spawned by the engine (`worker_main`), or, under torchrun, entered by `LLM(...)` on ranks > 0
+(`serve_steps`, then the process exits when rank 0 stops).
+"""
+from __future__ import annotations
+
+import os
+import traceback
+
+import numpy as np
+import torch
+
+from ..attention.metadata import build_metadata
+from .driver import receive, receive_tensors
+from .state import destroy_tensor_parallel, init_tensor_parallel
+
+
+def worker_main(rank: int, size: int, config, init_method: str, conn) -> None:
+    """The spawned process: join the group, build the runner, serve steps. Any failure is reported on
+    `conn` (rank 0 shows it) and ends the process."""
+    try:
+        device = torch.device(config.device)
+        if device.type == "cpu":  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        conn.send(("joining",))
+        tp = init_tensor_parallel(rank, size, device, init_method)
+        from ..engine.model_runner import ModelRunner
+        runner = ModelRunner(config)
+        conn.send(("ready",))
+        serve_steps(runner, tp)
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            raise SystemExit(1)
+    finally:
+        destroy_tensor_parallel()
+
+
+@torch.inference_mode()
+def serve_steps(runner, tp) -> None:
+    """Run what rank 0 announces until it says stop."""
+    device = runner.device
+    while True:
+        kind, *args, wanted = receive(tp)
+        if kind == "stop":
+            return
+        tensors = receive_tensors(tp, wanted, device)
+        if kind == "forward":
+            num_tokens, layout, block_size, num_blocks, names = args
+            positions, tables, seq_lens, slots, *values = tensors
+            meta = build_metadata(tables, seq_lens, slots, layout, block_size, num_blocks, dict(zip(names, values)))
+            meta.backend = runner.backend
+            runner.backend.prepare(meta, runner.mods)
+            ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)  # rank 0's arrive inside the model
+            runner.run_model(ids, positions, meta)
+        elif kind == "logits":
+            runner.model.compute_logits(tensors[0])
+        elif kind == "decode":
+            n, names = args
+            positions, slots, tables, seq_lens, *values = tensors
+            ids = torch.zeros(n, dtype=torch.int64, device=device)
+            runner.decode_graphs.run(ids, positions, slots, tables, seq_lens, dict(zip(names, values)))
+        elif kind == "decode_next":
+            runner.decode_graphs.run_next(torch.zeros(args[0], dtype=torch.int64, device=device))
+        elif kind == "mixed":
+            n, positions, slots, tables, seq_lens, layout, names = args
+            runner.mixed_graphs.run(np.zeros(n, dtype=np.int64), positions, slots, tables, seq_lens, layout,
+                                    dict(zip(names, tensors)))
+        else:
+            raise AssertionError(f"unknown step kind {kind!r}")
