@@ -1,0 +1,178 @@
+"""Tensor parallelism on the CPU: two gloo ranks (the test process and one spawned worker) against
+transformers' own generate and against the same engine at TP=1; a per-request mask that reads the head
+index; a worker killed mid-run; the bad requests that must fail before any process starts."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import transformers
+
+from flexengine import LLM, SamplingParams
+from flexengine.parallel.layers import kv_heads_of_rank
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512,
+            initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# name → (config class, architecture, overrides): GQA 2:1, GQA 3:1 with head_dim 80 and a vocabulary that
+# two ranks split unevenly, softcaps with sliding windows, and one KV head that both ranks replicate.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                      attention_bias=True, mlp_bias=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=80,
+                                                      vocab_size=301)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=5.0)),
+    "llama_one_kv_head": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1,
+                                                                  tie_word_embeddings=True)),
+}
+ENGINE = dict(device="cpu", block_size=8, num_kv_blocks=96, max_num_seqs=8)
+SHARED = [7, 3, 250, 14, 99, 5, 61, 200, 18, 42, 77, 8, 150, 31, 2, 90]  # two full pages of a shared prefix
+PROMPTS = [SHARED + [11, 12, 13], [5, 9, 1], SHARED + [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+
+
+def greedy(n=8, **attention_params):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, attention_params=attention_params or None)
+
+
+def token_ids(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], outs
+
+
+def checkpoint(name, tmp_path_factory):
+    cfg_cls, arch, overrides = FAMILIES[name]
+    config = getattr(transformers, cfg_cls)(**{**TINY, **overrides}, architectures=[arch])
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)._from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # norms and biases away from their init, so that sharding them wrongly shows
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = str(tmp_path_factory.mktemp(name))
+    hf.eval().save_pretrained(path)
+    return hf, path
+
+
+def hf_greedy(hf, prompt, n=8):
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def no_children_left():
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_two_ranks_match_transformers_and_one_rank(name, tmp_path_factory):
+    hf, path = checkpoint(name, tmp_path_factory)
+    expected = [hf_greedy(hf, p) for p in PROMPTS]
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        runner = llm.llm_engine.runner
+        heads = hf.config.num_attention_heads
+        assert runner.layers[0].num_heads == heads // 2  # each rank holds its half of the query heads
+        assert runner.num_kv_heads == kv_heads_of_rank(hf.config.num_key_value_heads, 0, 2)[1]
+        got, _ = token_ids(llm, PROMPTS, greedy())
+        assert got == expected
+        again, outs = token_ids(llm, PROMPTS, greedy())  # the shared prefix now comes from the cache
+        assert again == expected
+        assert [o.num_cached_tokens for o in outs] == [16, 0, 24]  # its whole pages of the first run
+    finally:
+        llm.llm_engine.shutdown()
+    assert no_children_left()
+    assert token_ids(LLM(path, **ENGINE), PROMPTS, greedy())[0] == expected
+
+
+def head_span_mask(b, h, q_idx, kv_idx, span):
+    """Causal, and head h sees only the last span * (h + 1) keys: the heads of rank 1 see more than rank 0's."""
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < span[b] * (h + 1))
+
+
+def local_head_span_mask(b, h, q_idx, kv_idx, span):
+    """What head_span_mask would compute on two ranks if the mod were handed rank-local head indices."""
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < span[b] * (h % 2 + 1))
+
+
+def test_per_request_mask_sees_global_heads(tmp_path_factory):
+    _, path = checkpoint("llama", tmp_path_factory)
+    params = [greedy(6, span=s) for s in (1, 3, 2)]
+    llm = LLM(path, tensor_parallel_size=2, mask_mod=head_span_mask, **ENGINE)
+    try:
+        tp2, _ = token_ids(llm, PROMPTS, params)
+    finally:
+        llm.llm_engine.shutdown()
+    one = LLM(path, mask_mod=head_span_mask, **ENGINE)
+    assert tp2 == token_ids(one, PROMPTS, params)[0]
+    reference = LLM(path, mask_mod=head_span_mask, attention_backend="reference", **ENGINE)
+    assert tp2 == token_ids(reference, PROMPTS, params)[0]
+    # The test can fail: local head indices give other tokens.
+    wrong = LLM(path, mask_mod=local_head_span_mask, **ENGINE)
+    assert tp2 != token_ids(wrong, PROMPTS, params)[0]
+    assert no_children_left()
+
+
+def test_a_killed_worker_fails_the_call_within_seconds(tmp_path_factory):
+    _, path = checkpoint("llama", tmp_path_factory)
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    worker = llm.llm_engine.runner.workers.procs[0]
+    killed = []
+
+    def kill():
+        killed.append(time.monotonic())
+        os.kill(worker.pid, signal.SIGKILL)
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 .* exited with code -9"):
+        while time.monotonic() - started < 60:  # requests keep coming until the worker dies
+            token_ids(llm, PROMPTS, greedy(64))
+    assert killed and time.monotonic() - killed[0] < 10
+    timer.join()
+    assert no_children_left()
+    with pytest.raises(RuntimeError, match="cannot run more steps"):  # and every later call says so at once
+        token_ids(llm, PROMPTS[:1], greedy(2))
+
+
+@pytest.mark.parametrize("name,size,message", [
+    ("llama", 3, r"tensor_parallel_size=3 does not divide the number of attention heads \(4\)"),
+    ("qwen3", 4, r"tensor_parallel_size=4 does not divide the number of attention heads \(6\)"),
+])
+def test_a_size_that_does_not_divide_the_heads_fails_before_any_process(name, size, message, tmp_path_factory):
+    _, path = checkpoint(name, tmp_path_factory)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, tensor_parallel_size=size, **ENGINE)
+    assert not multiprocessing.active_children()
+
+
+def test_more_ranks_than_gpus_and_nccl_without_cuda_fail_before_any_process(tmp_path_factory, monkeypatch):
+    _, path = checkpoint("llama", tmp_path_factory)
+    monkeypatch.setenv("FLEXENGINE_DIST_BACKEND", "nccl")
+    with pytest.raises(ValueError, match=r"FLEXENGINE_DIST_BACKEND=nccl needs CUDA.*device_count\(\) = 0"):
+        LLM(path, tensor_parallel_size=2, **ENGINE)
+    monkeypatch.delenv("FLEXENGINE_DIST_BACKEND")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 GPUs \(cuda:0..cuda:1\), but 1 is visible"):
+        LLM(path, tensor_parallel_size=2, **{**ENGINE, "device": "cuda"})
+    assert not multiprocessing.active_children()
+
+
+def test_settings_that_do_not_pickle_are_a_value_error(tmp_path_factory):
+    _, path = checkpoint("llama", tmp_path_factory)
+    with pytest.raises(ValueError, match="do not pickle"):
+        LLM(path, tensor_parallel_size=2, mask_mod=lambda b, h, q, kv: kv <= q, **ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(path, tensor_parallel_size=0, **ENGINE)
+    assert not multiprocessing.active_children()
