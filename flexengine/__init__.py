@@ -2,7 +2,8 @@
 import importlib
 
 _EXPORTS = {"LLM": ".llm", "SamplingParams": ".sampling_params", "RequestOutput": ".outputs",
-            "CompletionOutput": ".outputs", "Logprob": ".outputs"}
+            "CompletionOutput": ".outputs", "Logprob": ".outputs",
+            "StructuredOutputsParams": ".structured_outputs"}
 
 __all__ = list(_EXPORTS)
 

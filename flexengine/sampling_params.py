@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .structured_outputs import StructuredOutputsParams  # noqa: F401 (vLLM has it here too)
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -32,6 +34,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # a prompt or output token's logit: divided if > 0, else multiplied
     logit_bias: dict[int, float] | None = None  # token id → added to its logit
     min_tokens: int = 0               # no EOS, stop token or stop string before this many output tokens
+    # json schema / regex / choice / grammar the output must match (engine/structured_outputs.py, xgrammar)
+    structured_outputs: StructuredOutputsParams | None = None
     attention_params: dict | None = field(default=None)  # per-request mask/score parameters
 
     def __post_init__(self):
@@ -77,6 +81,9 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or self.min_tokens < 0 or \
                 (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.attention_params is not None and not isinstance(self.attention_params, dict):
             raise ValueError(f"attention_params must be a dict or None, got {type(self.attention_params).__name__}")
         if self.top_k == 0:

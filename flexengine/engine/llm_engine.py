@@ -29,6 +29,7 @@ from .output_processor import OutputProcessor
 from .prompt_logprobs import wants_prompt_logprobs
 from .scheduler import Scheduler
 from .sequence import PENDING, Request, Sequence
+from .structured_outputs import Grammars, accept_tokens, finish_terminated
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class LLMEngine:
         self.device_wait_s = 0.0  # time spent waiting for steps' tokens (the engine loop's stats)
         self.eos_token_ids = self._eos_token_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)  # xgrammar loads on first use
+        self.grammar_seqs: list[Sequence] = []  # live sequences with a grammar; empty: no per-step grammar work
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers now (they also stop when the engine is collected, or at exit)."""
@@ -217,16 +220,29 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         text, prompt_ids = self.tokenize(prompt)
         self.validate(request_id, prompt_ids, params)
-        seqs = [self._make_sequence(request_id, i, prompt_ids, params.for_completion(i)) for i in range(params.n)]
+        spec = params.structured_outputs
+        grammar = None if spec is None else self.grammars.compile(spec)  # cached; ValueError naming the spec
+        seqs = [self._make_sequence(request_id, i, prompt_ids, params.for_completion(i), grammar)
+                for i in range(params.n)]
         for seq in seqs:
             seq.text_at_end = final_only and not params.stop
         self.requests[request_id] = Request(request_id, text, prompt_ids, params, seqs, final_only, delta)
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _make_sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def compile_in_background(self, params: SamplingParams):
+        """Start compiling the request's grammar on a worker thread: → a Future to wait for before
+        add_request (which then finds it cached), or None when there is nothing to compile."""
+        spec = params.structured_outputs if isinstance(params, SamplingParams) else None
+        return None if spec is None else self.grammars.submit(spec)
+
+    def _make_sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
+                       grammar=None) -> Sequence:
         seq = Sequence(request_id=request_id, index=index, token_ids=list(prompt_ids),
                        num_prompt_tokens=len(prompt_ids), params=params)
+        if grammar is not None:
+            seq.grammar = self.grammars.matcher(grammar)
+            self.grammar_seqs.append(seq)
         if params.seed is not None and not params.greedy:
             seq.generator = self.runner.make_generator(params.seed)
         if self.tokenizer is not None:
@@ -263,6 +279,16 @@ class LLMEngine:
 
     def _step(self) -> dict[str, Request]:
         """Run a step; → the requests that progressed in the step it completes."""
+        if self._grammar_in_flight():
+            # A grammar row's next mask needs the token in flight on the host: read that step back before
+            # scheduling the next (such steps lose async scheduling's overlap; the mask is still filled
+            # while the device runs the forward).
+            done, self.in_flight = self.in_flight, None
+            progressed = self.process(done)
+            batch = self.scheduler.schedule()
+            assert batch.num_steps == 1, "multi-step decode excludes async scheduling"
+            self.in_flight = self.launch(batch) if batch.seqs else None
+            return progressed
         batch = self.scheduler.schedule()
         if batch.num_steps > 1:
             tokens = self.runner.execute_multi_step(batch).tolist()  # the steps' one device → host sync
@@ -278,6 +304,11 @@ class LLMEngine:
                 "the scheduler could not run any queued sequence"
             return {}
         return self.process(done)
+
+    def _grammar_in_flight(self) -> bool:
+        if not self.grammar_seqs or self.in_flight is None:
+            return False
+        return any(s.grammar is not None for s in self.in_flight.seqs)
 
     def launch(self, batch) -> InFlightStep:
         """Queue the step on the device; each sequence that samples holds a PENDING token until it is read."""
@@ -305,8 +336,14 @@ class LLMEngine:
             seq.token_ids[known] = token_ids[i]
             seq.num_pending -= 1
             lengths.append(known + 1)
-        self.output_processor.check_tokens(seqs, [token_ids[i] for i in live],
-                                           None if lp is None else [lp[i] for i in live], lengths, self.eos_token_ids)
+        tokens = [token_ids[i] for i in live]
+        if self.grammar_seqs:
+            accept_tokens(seqs, tokens)
+        self.output_processor.check_tokens(seqs, tokens, None if lp is None else [lp[i] for i in live], lengths,
+                                           self.eos_token_ids)
+        if self.grammar_seqs:
+            finish_terminated(seqs, self.scheduler)
+            self.grammar_seqs = [s for s in self.grammar_seqs if not s.is_finished]
         progressed: dict[str, Request] = {}
         now = time.time()
         for seq in seqs:

@@ -30,6 +30,7 @@ from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_block
 from .layer_mods import apply_mod_overrides, mod_params
 from .logits_adjust import build_logits_adjust
 from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
+from .structured_outputs import fill_token_mask
 from .in_flight import InFlightStep, feed_inputs
 from ..parallel.driver import drive_workers
 from ..parallel.heads import shift_layer_mods
@@ -277,6 +278,8 @@ class ModelRunner:
         else:
             tensors = self.build_sampling_tensors(seqs)
             self._last_sampling = (list(seqs), tensors)
+        if tensors.grammar_rows:  # their matchers moved on: new masks every step
+            tensors = dataclasses.replace(tensors, token_mask=fill_token_mask(seqs, tensors.grammar_rows, self.device))
         if not any(s.params is not None and s.params.adjusts_logits for s in seqs):
             return tensors
         pending = None if prev is None else prev.feed(seqs, np.arange(len(seqs)), self.device)
@@ -297,7 +300,8 @@ class ModelRunner:
             temperature=packed[:, 0], top_p=packed[:, 1] if any_top_p else None,
             min_p=packed[:, 2] if any_min_p else None, top_k=packed[:, 3].long() if any_top_k else None,
             generators=tuple(s.generator for s in seqs), all_greedy=all(p.temperature == 0 for p in params),
-            num_logprobs=max(asked) if asked else -1)
+            num_logprobs=max(asked) if asked else -1,
+            grammar_rows=tuple(i for i, s in enumerate(seqs) if s.grammar is not None))
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         with fused_elementwise(self.compiled):  # this engine's setting, whatever other engines use

@@ -24,8 +24,9 @@ from .sequence import Sequence, SequenceStatus
 
 
 def multi_step_ok(params) -> bool:
-    """Multi-step decode's sampler returns no logprobs, and feeds tokens on without their history."""
-    return params.logprobs is None and not params.adjusts_logits
+    """Multi-step decode's sampler returns no logprobs, and feeds tokens on without their history (nor the
+    host's grammar matcher, which must see each token before the next step's mask)."""
+    return params.logprobs is None and not params.adjusts_logits and params.structured_outputs is None
 
 
 def tokens_wanted(seq: Sequence) -> float:

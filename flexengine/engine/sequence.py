@@ -48,6 +48,7 @@ class Sequence:
     logprobs: list | None = None
     prompt_logprobs: list | None = None    # per prompt position: None (the first), then {token: Logprob}
     min_tokens_stops: frozenset = frozenset()  # tokens banned before params.min_tokens (EOS, stop ids)
+    grammar: object = None                 # structured outputs: its GrammarState (engine/structured_outputs.py)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -5,7 +5,8 @@ another form). A row with a seed draws E from its own torch.Generator, so its to
 its seed and its logits, never on which other requests share the batch. Nothing here syncs with the
 host; the caller's single `.tolist()` of the ids is the step's only sync.
 
-Logprobs are those of the raw model distribution (vLLM's default), with the chosen token's rank.
+Logprobs are those of the raw model distribution (vLLM's default), with the chosen token's rank; a
+grammar row's are those of its masked logits, as vLLM's (it masks the logits before its sampler).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class SamplingTensors:
     all_greedy: bool = False
     num_logprobs: int = -1                  # largest `logprobs` of the step's rows; -1: none asked
     adjust: "LogitsAdjust | None" = None    # penalties, biases, min_tokens bans; None: no row has any
+    grammar_rows: tuple[int, ...] = ()      # host: rows whose sequence has a grammar (their mask is per step)
+    token_mask: "TokenMask | None" = None   # those rows' allowed tokens (engine/structured_outputs.py fills it)
 
 
 @dataclass
@@ -53,6 +56,25 @@ def apply_adjust(logits: torch.Tensor, a: LogitsAdjust) -> torch.Tensor:
     if a.counts is not None:
         logits -= a.frequency[:, None] * a.counts + a.presence[:, None] * (a.counts > 0)
     return logits
+
+
+@dataclass
+class TokenMask:
+    """The allowed next tokens of a step's grammar rows, in xgrammar's bitmask layout."""
+    rows: torch.Tensor      # int64 [G]: their rows of the step's logits
+    bitmask: torch.Tensor   # int32 [G, W]: bit j of word k allows token 32k + j; 32 W >= the logits' width
+
+
+def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf for each token a row's bitmask does not allow (xgrammar's layout: bit j of int32 word k is
+    token 32k + j); bits past the logits' width are ignored. Plain tensor ops: the same on CPU and CUDA."""
+    V = logits.shape[-1]
+    G, W = bitmask.shape
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    # little-endian bytes of each word: byte b holds tokens 32k + 8b ... 32k + 8b + 7
+    bits = (bitmask.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1
+    allowed = bits.view(G, W * 32)[:, :V].bool()
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 @dataclass
@@ -115,6 +137,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits float32 [N, V] → one token per row."""
+        if t.token_mask is not None:
+            logits = apply_token_mask(logits, t.token_mask.rows, t.token_mask.bitmask)
         raw = logits
         if t.adjust is not None:
             logits = apply_adjust(logits, t.adjust)

@@ -1,0 +1,188 @@
+"""Structured outputs on xgrammar: grammars compiled once per distinct spec, one matcher per sequence,
+the allowed-token bitmask of a step's grammar rows filled on the host.
+
+    grammars = Grammars(tokenizer, vocab_size, eos_token_ids)
+    compiled = grammars.compile(params.structured_outputs)   # ValueError naming the spec when invalid
+    seq.grammar = grammars.matcher(compiled)
+    mask = fill_token_mask(seqs, rows, device)              # per step, for the rows that have one
+    ... the sampler sets every disallowed token's logit to -inf ...
+    accept_tokens(seqs, tokens)                             # each sampled token advances its matcher
+
+xgrammar is imported on the first structured request, so requests without one never load it. Its compile
+releases the GIL, so `submit` compiles on a worker thread while the engine steps (the server's engine
+loop admits the request when it is done); the cache is an LRU on the spec's canonical JSON, errors included.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention.metadata import to_device
+from ..layers.sampler import TokenMask
+from ..structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 512
+MISSING_EXTRA = ("structured outputs need the xgrammar package, which is not installed: "
+                 "pip install 'flexengine[structured]'")
+
+
+def import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError(f"structured_outputs: {MISSING_EXTRA}") from None
+    return xgrammar
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly the choices (JSON's string escapes are xgrammar's EBNF ones)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def xgrammar_message(error: Exception) -> str:
+    """xgrammar's error without its C++ log prefix ("[03:46:09] /project/cpp/x.cc:83: ")."""
+    text = str(error).strip()
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
+    return re.sub(r"^Check failed: \(.*?\) is false: ", "", text).splitlines()[0]
+
+
+WHAT = {"json": "invalid JSON schema", "regex": "invalid regex", "choice": "invalid choice",
+        "grammar": "invalid grammar", "json_object": "invalid JSON grammar"}
+
+
+class Grammars:
+    """The xgrammar compiler for one tokenizer and its cache of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.compiler = None  # built on first use
+        self.cache: OrderedDict[str, object] = OrderedDict()  # key → CompiledGrammar, or the ValueError message
+        self.lock = threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None
+        self.compile_seconds: dict[str, float] = {}  # key → how long its compile took (benchmarks read it)
+
+    def _compiler(self):
+        if self.compiler is None:
+            xgr = import_xgrammar()
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer, and this model has none")
+            # The model's vocabulary may be larger than the tokenizer's (padded embeddings): xgrammar then
+            # sizes the bitmask for the model, and the ids the tokenizer lacks are never allowed.
+            size = max(self.vocab_size, len(self.tokenizer))
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=size,
+                                                      stop_token_ids=self.stop_token_ids or None)
+            self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by our key
+            self.width = -(-info.vocab_size // 32)  # int32 words of a row's bitmask
+        return self.compiler
+
+    def cached(self, spec: StructuredOutputsParams) -> bool:
+        with self.lock:
+            return spec.key() in self.cache
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar of `spec` (cached); ValueError naming it when it does not compile."""
+        key = spec.key()
+        with self.lock:
+            hit = self.cache.get(key)
+            if hit is not None:
+                self.cache.move_to_end(key)
+        if hit is None:
+            compiler = self._compiler()  # a missing xgrammar or tokenizer is not cached: it is not the spec's
+            started = time.perf_counter()
+            try:
+                hit = self._compile(compiler, spec)
+            except RuntimeError as e:  # xgrammar's parse and conversion errors
+                hit = f"structured_outputs.{spec.kind}: {WHAT[spec.kind]}: {xgrammar_message(e)}"
+            with self.lock:
+                self.compile_seconds[key] = time.perf_counter() - started
+                self.cache[key] = hit
+                while len(self.cache) > MAX_CACHED_GRAMMARS:
+                    self.cache.popitem(last=False)
+        if isinstance(hit, str):
+            raise ValueError(hit)
+        return hit
+
+    @staticmethod
+    def _compile(compiler, spec: StructuredOutputsParams):
+        kind = spec.kind
+        if kind == "json":
+            return compiler.compile_json_schema(json.dumps(spec.schema()), any_whitespace=not spec.disable_any_whitespace)
+        if kind == "json_object":
+            return compiler.compile_builtin_json_grammar()
+        if kind == "regex":
+            return compiler.compile_regex(spec.regex)
+        return compiler.compile_grammar(choice_grammar(spec.choice) if kind == "choice" else spec.grammar)
+
+    def submit(self, spec: StructuredOutputsParams) -> Future | None:
+        """Compile on a worker thread; None when the spec is already cached (nothing to wait for)."""
+        if self.cached(spec):
+            return None
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="flexengine-grammar")
+        return self.pool.submit(self._compile_quietly, spec)
+
+    def _compile_quietly(self, spec: StructuredOutputsParams) -> None:
+        """For the worker: the outcome is in the cache (or raised again by `compile` when not cacheable)."""
+        try:
+            self.compile(spec)
+        except ValueError:
+            pass  # add_request compiles again from the cache and raises it to the client
+
+    def matcher(self, compiled) -> "GrammarState":
+        xgr = import_xgrammar()
+        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None),
+                            width=self.width)
+
+
+@dataclass(eq=False)
+class GrammarState:
+    """A sequence's matcher: where its output stands in the grammar."""
+    matcher: object
+    width: int                   # int32 words of its bitmask
+    rejected: int | None = None  # a token the grammar did not allow (only if every token was banned)
+
+
+def fill_token_mask(seqs, rows, device) -> TokenMask:
+    """Each grammar row's allowed next tokens, filled on the host by its matcher (xgrammar's
+    fill_next_token_bitmask), then one copy to the device."""
+    bitmask = torch.full((len(rows), seqs[rows[0]].grammar.width), -1, dtype=torch.int32)
+    for i, row in enumerate(rows):
+        seq = seqs[row]
+        assert seq.num_pending == 0, "a grammar row's last token must be on the host before its mask is filled"
+        seq.grammar.matcher.fill_next_token_bitmask(bitmask, i)
+    return TokenMask(rows=to_device(np.asarray(rows, dtype=np.int64), device),
+                     bitmask=to_device(bitmask.numpy(), device))
+
+
+def accept_tokens(seqs, tokens) -> None:
+    """Advance each grammar sequence's matcher by its new token. A token the grammar refuses can only come
+    from a row whose every token was banned (min_tokens holding back the EOS a finished grammar needs):
+    it is kept, and the sequence ends with it (finish_terminated)."""
+    for seq, token in zip(seqs, tokens):
+        state = seq.grammar
+        if state is not None and state.rejected is None and not state.matcher.accept_token(token):
+            state.rejected = token
+            logger.warning("request %s: the grammar refused token %d (every token was banned: min_tokens with a "
+                           "finished grammar?); ending the completion", seq.request_id, token)
+
+
+def finish_terminated(seqs, scheduler) -> None:
+    """A sequence whose grammar is done (it accepted EOS, even with ignore_eos) or refused a token stops."""
+    for seq in seqs:
+        state = seq.grammar
+        if state is not None and not seq.is_finished and (state.rejected is not None or state.matcher.is_terminated()):
+            if seq.detokenizer is not None and seq.text_at_end:  # as check_tokens does for a stop
+                seq.text += seq.detokenizer.emitted_by_add()
+            scheduler.finish(seq, "stop")
