@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget of one engine step (chunked prefill)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights, activations and KV cache")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks (GPUs, one process each) the model is sharded over, Megatron-style; gloo "
+                             "processes on the CPU")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -56,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
               block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     prompts = args.prompts
     if args.chat or args.chat_template:
         prompts = chat_prompts(llm, prompts, args.chat_template)

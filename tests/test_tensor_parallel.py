@@ -3,6 +3,7 @@ transformers' own generate and against the same engine at TP=1; a per-request ma
 index; a worker killed mid-run; the bad requests that must fail before any process starts."""
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -67,6 +68,7 @@ def hf_greedy(hf, prompt, n=8):
 
 
 def no_children_left():
+    gc.collect()  # an engine nobody holds stops its workers when it is collected
     deadline = time.monotonic() + 10
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -176,3 +178,13 @@ def test_settings_that_do_not_pickle_are_a_value_error(tmp_path_factory):
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(path, tensor_parallel_size=0, **ENGINE)
     assert not multiprocessing.active_children()
+
+
+def test_generate_cli_takes_the_flag(capsys):
+    from flexengine.cli import main
+    args = ["generate", "--device", "cpu", "--temperature", "0", "--max-tokens", "6", "--json", "Hello there"]
+    assert main(args + ["--tensor-parallel-size", "2"]) == 0  # the embedded default model, sharded
+    two = capsys.readouterr().out
+    assert no_children_left()
+    assert main(args) == 0
+    assert capsys.readouterr().out == two

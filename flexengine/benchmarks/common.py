@@ -32,6 +32,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="launch each step before reading the last one's tokens back (default off, as in LLM; "
                         "`flexengine serve` turns it on for a GPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="ranks (GPUs, one process each) the model is sharded over (None: 1)")
     p.add_argument("--seed", type=int, default=0, help="engine seed and prompt seed")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
 
@@ -42,7 +44,7 @@ def engine_kwargs(args) -> dict:
     optional = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
                     num_scheduler_steps=args.num_scheduler_steps, block_size=args.block_size,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs
 

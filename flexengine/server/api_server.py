@@ -269,7 +269,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
 ENGINE_FLAGS = ("model", "dtype", "device", "block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "enable_prefix_caching", "attention_backend", "enforce_eager",
-                "gpu_memory_utilization", "seed", "num_scheduler_steps", "async_scheduling")
+                "gpu_memory_utilization", "seed", "num_scheduler_steps", "async_scheduling", "tensor_parallel_size")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -307,6 +307,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enforce-eager", action="store_true", default=None,
                         help="no CUDA graphs, no compiled layers (FlexAttention stays compiled on a GPU)")
     engine.add_argument("--seed", type=int, default=None, help="engine seed for sampling (default 0)")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                        help="ranks (GPUs, one process each) the model is sharded over, Megatron-style (default 1)")
     engine.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="decode steps per schedule, fed on the device (CUDA graphs only; default 1)")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
