@@ -312,8 +312,10 @@ def test_client_disconnect_frees_pages(base_url):
     ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"1000000": 1}}', "logit_bias"),
     ("/v1/completions", b'{"prompt": "hi", "presence_penalty": 3}', "presence_penalty"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "response_format": '
-                             b'{"type": "json_object"}}', "response_format"),   # never dropped in silence
-    ("/v1/completions", b'{"prompt": "hi", "structured_outputs": {"regex": "a+"}}', "structured_outputs"),
+                             b'{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}',
+     "response_format"),                                                        # the engine's compile refuses it
+    ("/v1/completions", b'{"prompt": "hi", "structured_outputs": {"regex": "a("}}', "structured_outputs"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": []}', "tools"),
     ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',

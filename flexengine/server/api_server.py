@@ -142,11 +142,20 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         word = re.split(r"[\s:=]", message, maxsplit=1)[0]
         return word if word in type(body).model_fields else default
 
+    def bad_request(message: str, body, default_param: str | None) -> ApiError:
+        """A 400 naming the field at fault. A structured-output spec's errors name StructuredOutputsParams'
+        fields ("structured_outputs.json: invalid JSON schema: ..."): the request field that carried it is
+        the param, and leads the message when it is another (response_format, guided_json)."""
+        source = body.structured_field()
+        if source is not None and message.startswith("structured_outputs"):
+            return ApiError(400, message if source == "structured_outputs" else f"{source}: {message}", param=source)
+        return ApiError(400, message, param=field_named_in(message, body, default_param))
+
     def sampling_params(body, default_max_tokens, logprobs, prompt_logprobs=None):
         try:
             return body.to_sampling_params(default_max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
-            raise ApiError(400, str(e), param=field_named_in(str(e), body, None)) from e
+            raise bad_request(str(e), body, None) from e
 
     def check_context(prompt_ids: list[list[int]], max_tokens: int | None, param: str, what: str) -> None:
         """vLLM's 400 for a request whose prompt fits but whose prompt and max_tokens together pass
@@ -166,8 +175,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise ApiError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded") from e
         try:
             await group.wait_added()
-        except ValueError as e:  # the engine refused a prompt (too long, token id out of range, ...)
-            raise ApiError(400, str(e), param=field_named_in(str(e), body, prompt_param)) from e
+        except ValueError as e:  # the engine refused it (prompt too long, token id out of range, bad grammar...)
+            raise bad_request(str(e), body, prompt_param) from e
         except BaseException:
             group.abort()
             raise

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0   # a step in flight finishes before the child exits; past this it is killed
 MAX_UNSENT_BYTES = 4 << 20  # the API process this far behind: the engine waits for it before stepping on
 READY_LOG_EVERY_S = 30.0
+COMPILE_POLL_S = 0.002  # an idle engine loop's wait for a grammar compiling on the worker thread
 STATS_INTERVAL_S = env_stats_interval_s()
 
 
@@ -205,6 +206,9 @@ class EngineLoop:
     def __init__(self, engine, reader: MessageReader, writer: MessageWriter):
         self.engine, self.reader, self.writer = engine, reader, writer
         self.stats = LoopStats(engine.device_wait_s, compile_count())
+        # Requests whose grammar compiles on a worker thread while the loop steps the others; each is added
+        # (or refused, an invalid spec being a 400) once its compile is done.
+        self.compiling: list[tuple[NewRequest, Any]] = []
 
     def run(self) -> None:
         while True:
@@ -225,9 +229,9 @@ class EngineLoop:
         got = self.reader.read_available()
         if not got and not self.reader.eof and not self.engine.has_unfinished_requests():
             started = time.perf_counter()
-            while not got and not self.reader.eof:
+            while not got and not self.reader.eof and not self.compiled():
                 unsent = [self.writer.fd] if self.writer.buffer else []
-                select.select([self.reader.fd], unsent, [])
+                select.select([self.reader.fd], unsent, [], COMPILE_POLL_S if self.compiling else None)
                 self.writer.flush()
                 got = self.reader.read_available()
             self.stats.idle_s += time.perf_counter() - started
@@ -243,20 +247,35 @@ class EngineLoop:
             self.writer.flush()
         self.stats.send_s += time.perf_counter() - started
 
+    def compiled(self) -> bool:
+        return any(future.done() for _, future in self.compiling)
+
     def apply(self, inputs: list[EngineInput]) -> tuple[list[Accepted], list[tuple[str, str]]]:
         accepted, refused = [], []
+        done = [new for new, future in self.compiling if future.done()]
+        self.compiling = [(new, future) for new, future in self.compiling if not future.done()]
+        for new in done:
+            self.add(new, accepted, refused)
         for message in inputs:
             for new in message.new:
-                try:
-                    self.engine.add_request(new.request_id, new.prompt, new.params, delta=True)
-                except ValueError as e:  # a bad prompt (too long, ids out of range): the API answers 400
-                    refused.append((new.request_id, str(e)))
-                    continue
-                request = self.engine.requests[new.request_id]
-                accepted.append(Accepted(new.request_id, request.prompt, request.prompt_token_ids))
+                future = self.engine.compile_in_background(new.params)
+                if future is not None:
+                    self.compiling.append((new, future))
+                else:
+                    self.add(new, accepted, refused)
             for request_id in message.aborts:  # the engine ignores ids it no longer holds
+                self.compiling = [(new, f) for new, f in self.compiling if new.request_id != request_id]
                 self.engine.abort_request(request_id)
         return accepted, refused
+
+    def add(self, new: NewRequest, accepted: list[Accepted], refused: list[tuple[str, str]]) -> None:
+        try:
+            self.engine.add_request(new.request_id, new.prompt, new.params, delta=True)
+        except ValueError as e:  # a bad prompt (too long, ids out of range) or grammar: the API answers 400
+            refused.append((new.request_id, str(e)))
+            return
+        request = self.engine.requests[new.request_id]
+        accepted.append(Accepted(new.request_id, request.prompt, request.prompt_token_ids))
 
 
 # ---- the API process's handle --------------------------------------------------------------------

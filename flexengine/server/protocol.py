@@ -12,6 +12,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 from flexengine.sampling_params import SamplingParams
+from flexengine.structured_outputs import StructuredOutputsParams
+
+# Where a request may ask for structured output: OpenAI's field, vLLM's extra, vLLM's older extras.
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 
 
 def random_id(prefix: str) -> str:
@@ -47,24 +52,51 @@ class SamplingRequest(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    # Fields that change the output and that this server does not honour yet: a 400 naming them, never
-    # dropped in silence (structured outputs: issue 20).
+    # Structured outputs (checked by structured_outputs_params, compiled by the engine)
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # Fields that change the output and that this server does not honour: a 400 naming them, never
+    # dropped in silence.
     tools: Any = None
 
     def unsupported_field(self) -> str | None:
         """The first field set to a value the engine cannot honour (the server answers 400 naming it)."""
-        for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "tools"):
-            value = getattr(self, name)
-            if value is not None and not (name == "response_format" and value == {"type": "text"}):
-                return name
-        return None
+        return "tools" if self.tools is not None else None
+
+    def structured_fields(self) -> list[str]:
+        """The fields that ask for structured output (a response_format of type text does not)."""
+        return [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None and
+                not (name == "response_format" and self.response_format == {"type": "text"})]
+
+    def structured_field(self) -> str | None:
+        given = self.structured_fields()
+        return given[0] if given else None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """What the request's structured-output field asks for; ValueError, starting with the field's name,
+        for a malformed one or for two fields that both ask."""
+        given = self.structured_fields()
+        if not given:
+            return None
+        name = given[0]
+        if len(given) > 1:
+            raise ValueError(f"{name}: only one of {', '.join(given)} may ask for structured output")
+        value = getattr(self, name)
+        if name == "response_format":
+            return response_format_params(value)
+        if name == "structured_outputs":
+            if not isinstance(value, dict):
+                raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
+            value = {k: v for k, v in value.items() if k != "disable_fallback"}  # there is no other backend
+            unknown = sorted(set(value) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}")
+            return StructuredOutputsParams(**value)
+        return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -82,7 +114,22 @@ class SamplingRequest(BaseModel):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            logit_bias=self.logit_bias_ids(), min_tokens=self.min_tokens)
+            logit_bias=self.logit_bias_ids(), min_tokens=self.min_tokens,
+            structured_outputs=self.structured_outputs_params())
+
+
+def response_format_params(value) -> StructuredOutputsParams:
+    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}} (vLLM's mapping: any JSON object or array, and the schema)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError("response_format of type json_schema needs json_schema: {\"name\": ..., \"schema\": {...}}")
+        return StructuredOutputsParams(json=spec["schema"])
+    raise ValueError(f"response_format: type must be one of text, json_object, json_schema; got {kind!r}")
 
 
 class CompletionRequest(SamplingRequest):
