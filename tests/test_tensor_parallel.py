@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from flexengine import LLM, SamplingParams
+from flexengine import LLM, SamplingParams, masks
 from flexengine.parallel.layers import kv_heads_of_rank
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512,
@@ -124,6 +124,21 @@ def test_per_request_mask_sees_global_heads(tmp_path_factory):
     assert no_children_left()
 
 
+def test_alibi_slopes_follow_the_global_head_and_closures_reach_the_workers(tmp_path_factory):
+    """alibi(slopes) is a closure (sent by value) whose slope is indexed by h: rank 1 must read slopes 2 and 3."""
+    _, path = checkpoint("llama", tmp_path_factory)
+    slopes = torch.tensor([0.0, 0.05, 1.5, 4.0])
+    settings = dict(score_mod=masks.alibi(slopes), mask_mod=masks.sliding_window(12), **ENGINE)
+    llm = LLM(path, tensor_parallel_size=2, **settings)
+    try:
+        tp2, _ = token_ids(llm, PROMPTS, greedy(6))
+    finally:
+        llm.llm_engine.shutdown()
+    assert tp2 == token_ids(LLM(path, **settings), PROMPTS, greedy(6))[0]
+    local = dict(settings, score_mod=masks.alibi(slopes[[0, 1, 0, 1]]))  # what rank-local indices would read
+    assert tp2 != token_ids(LLM(path, **local), PROMPTS, greedy(6))[0]
+
+
 def test_a_killed_worker_fails_the_call_within_seconds(tmp_path_factory):
     _, path = checkpoint("llama", tmp_path_factory)
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
@@ -173,8 +188,14 @@ def test_more_ranks_than_gpus_and_nccl_without_cuda_fail_before_any_process(tmp_
 
 def test_settings_that_do_not_pickle_are_a_value_error(tmp_path_factory):
     _, path = checkpoint("llama", tmp_path_factory)
+    lock = threading.Lock()
+
+    def locked_causal(b, h, q_idx, kv_idx):  # holds a lock, which no pickler sends to another process
+        with lock:
+            return kv_idx <= q_idx
+
     with pytest.raises(ValueError, match="do not pickle"):
-        LLM(path, tensor_parallel_size=2, mask_mod=lambda b, h, q, kv: kv <= q, **ENGINE)
+        LLM(path, tensor_parallel_size=2, mask_mod=locked_causal, **ENGINE)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(path, tensor_parallel_size=0, **ENGINE)
     assert not multiprocessing.active_children()

@@ -15,6 +15,12 @@ def mod_params(mods) -> dict[str, RequestParam]:
                                 for fn, base in ((mask, MASK_ARGS), (score, SCORE_ARGS)) if fn is not None)
 
 
+def query_heads(layer) -> int:
+    """The heads a layer's mods index: the model's, also where a tensor-parallel rank runs only its share
+    (the mods see global head indices, parallel/heads.py)."""
+    return getattr(layer, "total_heads", layer.num_heads)
+
+
 def override_targets(layers, spec, what: str) -> dict[int, object]:
     """{layer index: mod} for an override: one mod for every layer, or a mapping keyed by layer index
     or layer kind ("global" / "sliding"); an index key wins over its layer's kind key."""
@@ -51,14 +57,14 @@ def apply_mod_overrides(layers, mask_spec, score_spec, *, max_len: int, num_reqs
     for i, mod in masks.items():
         layers[i].mask_mod = get_mask_mod(mod)
     sizes = dict(max_len=max_len, num_reqs=num_reqs)
-    for fn, heads in {(layers[i].mask_mod, layers[i].num_heads) for i in masks}:
+    for fn, heads in {(layers[i].mask_mod, query_heads(layers[i])) for i in masks}:
         check_mask_mod(fn, None, device, num_heads=heads, **sizes)
     scores = {i: get_score_mod(mod) for i, mod in override_targets(layers, score_spec, "score_mod").items()}
     for i, fn in scores.items():  # None in a mapping removes the layer's score mod
         heads = getattr(fn, "num_heads", None)
-        if heads is not None and heads != layers[i].num_heads:
-            raise ValueError(f"score_mod {mod_name(fn)} has {heads} slopes but layer {i} has {layers[i].num_heads} "
-                             f"query heads")
+        if heads is not None and heads != query_heads(layers[i]):
+            raise ValueError(f"score_mod {mod_name(fn)} has {heads} slopes but layer {i} has "
+                             f"{query_heads(layers[i])} query heads")
         layers[i].score_mod = fn
-    for fn, heads in {(fn, layers[i].num_heads) for i, fn in scores.items() if fn is not None}:
+    for fn, heads in {(fn, query_heads(layers[i])) for i, fn in scores.items() if fn is not None}:
         check_score_mod(fn, None, device, num_heads=heads, **sizes)

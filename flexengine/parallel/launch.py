@@ -62,12 +62,23 @@ def check_tensor_parallel(config: EngineConfig, model_path: str) -> None:
     hf_config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"), building_for(TPGroup(rank=0, size=n)):
         get_model_class(hf_config)(hf_config)
+    dump_config(config)  # settings the workers cannot get fail here
+
+
+def dump_config(config: EngineConfig) -> bytes:
+    """The settings as the workers get them: by value with cloudpickle where installed (mods made by
+    closures, sliding_window(W) or alibi(slopes), pickle), else by reference with pickle."""
     try:
-        pickle.dumps(config)
+        import cloudpickle
+        dumps, how = cloudpickle.dumps, "cloudpickle"
+    except ImportError:
+        dumps, how = pickle.dumps, "pickle (pip install cloudpickle to send closures and lambdas)"
+    try:
+        return dumps(config)
     except Exception as e:
-        raise ValueError(f"tensor_parallel_size={n}: the engine's settings go to the worker processes by pickle, "
-                         f"and they do not pickle ({e}); pass mask_mod / score_mod as registered names or "
-                         f"module-level functions") from e
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: the engine's settings go to the "
+                         f"worker processes by {how}, and they do not pickle ({type(e).__name__}: {e}); pass "
+                         f"mask_mod / score_mod as registered names or module-level functions") from e
 
 
 def free_port() -> int:
@@ -127,7 +138,7 @@ class WorkerPool:
         self.tp: TPGroup | None = None
         self.depth = 0  # > 0 while rank 0 runs a step the workers were told about (nested calls pass through)
         for rank in range(1, self.size):
-            worker_config = dataclasses.replace(config, model=model_path, device=rank_device(config, rank))
+            worker_config = dump_config(dataclasses.replace(config, model=model_path, device=rank_device(config, rank)))
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(rank, self.size, worker_config, self.init_method, child),
                                name=f"flexengine-tp{rank}", daemon=True)

@@ -8,6 +8,7 @@ Spawned by the engine (`worker_main`), or, under torchrun, entered by `LLM(...)`
 from __future__ import annotations
 
 import os
+import pickle
 import traceback
 
 import numpy as np
@@ -18,10 +19,11 @@ from .driver import receive, receive_tensors
 from .state import destroy_tensor_parallel, init_tensor_parallel
 
 
-def worker_main(rank: int, size: int, config, init_method: str, conn) -> None:
+def worker_main(rank: int, size: int, config_bytes: bytes, init_method: str, conn) -> None:
     """The spawned process: join the group, build the runner, serve steps. Any failure is reported on
     `conn` (rank 0 shows it) and ends the process."""
     try:
+        config = pickle.loads(config_bytes)  # launch.dump_config
         device = torch.device(config.device)
         if device.type == "cpu":  # the ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
