@@ -12,6 +12,7 @@ import itertools
 import sys
 
 PROMPT = ">>> "
+DEFAULT_TEMPERATURE = 0.7  # without flags or a generation_config.json: less rambling than vLLM's 1.0
 HELP = "Type a message and press Enter. Ctrl-D quits, Ctrl-C stops a reply, /clear starts over."
 
 
@@ -24,9 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file instead of the model's own")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
-    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass")
-    parser.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature; 0 is greedy (default: the checkpoint's generation_config.json, "
+                             f"else {DEFAULT_TEMPERATURE})")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling: keep this much probability mass (default: generation_config.json, "
+                             "else 1)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="keep the k most likely tokens (default: generation_config.json, else all)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (the same replies each run)")
     parser.add_argument("--dtype", default="auto", help="weights and KV dtype: auto, float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
@@ -38,14 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from . import LLM, SamplingParams
+    from . import LLM
     from .chat import read_chat_template
 
     template = read_chat_template(args.chat_template, "chat")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager)
+    params = sampling_params(llm, args)
     if args.model is None:
         print("(the embedded random model: its replies are gibberish; --model smollm2-135m-instruct is a real one)")
     print(HELP)
@@ -75,6 +80,18 @@ def main(args: argparse.Namespace) -> int:
             conversation.pop()
             continue
         conversation.append({"role": "assistant", "content": reply})
+
+
+def sampling_params(llm, args):
+    """The flags given, else the checkpoint's generation_config.json, else the chat defaults."""
+    from . import SamplingParams
+    from .llm import generation_config_defaults
+
+    fields = {"temperature": DEFAULT_TEMPERATURE, **generation_config_defaults(llm.llm_engine.runner.model_path)}
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    fields.update({k: v for k, v in given.items() if v is not None})
+    fields.update(max_tokens=args.max_tokens, seed=args.seed)
+    return SamplingParams(**fields)
 
 
 def stream_reply(llm, conversation: list[dict], params, template: str | None, request_id: str) -> str:

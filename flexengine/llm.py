@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import os
 
 from tqdm.auto import tqdm
 
@@ -36,6 +37,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params uses: SamplingParams() with the sampling fields the
+        checkpoint's generation_config.json sets (vLLM's --generation-config auto)."""
+        if not hasattr(self, "_default_params"):
+            self._default_params = generation_config_defaults(self.llm_engine.runner.model_path)
+        return SamplingParams(**self._default_params)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; the outputs come back in the order of `prompts`.
@@ -45,7 +53,7 @@ class LLM:
         """
         prompts = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if not isinstance(sampling_params, (list, tuple)):
             params = [sampling_params] * len(prompts)  # one for all (the engine checks its type)
         else:
@@ -96,6 +104,24 @@ class LLM:
                         bar.set_postfix_str(f"{generated} tokens out", refresh=False)
         bar.close()
         return [results[rid] for rid in ids]
+
+
+# generation_config.json field → SamplingParams field: the sampling fields vLLM takes from it.
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_config_defaults(model_path) -> dict:
+    """The sampling fields of the checkpoint's generation_config.json that differ from transformers'
+    defaults, as SamplingParams keywords ({} without the file), as vLLM reads them."""
+    path = os.path.join(os.fspath(model_path), "generation_config.json") if model_path is not None else ""
+    if not os.path.isfile(path):
+        return {}
+    from transformers import GenerationConfig
+    config = GenerationConfig.from_pretrained(os.path.dirname(path)).to_diff_dict()
+    defaults = {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+                if config.get(theirs) is not None}
+    return defaults
 
 
 @contextlib.contextmanager

@@ -98,3 +98,24 @@ def test_a_conversation_too_long_is_an_error_not_an_exit(llm, monkeypatch):
         stream_reply(llm, long, SamplingParams(temperature=0, max_tokens=4), None, "too-long")
     assert not llm.llm_engine.has_unfinished_requests()
     assert reply(llm, [{"role": "user", "content": "still works"}])
+
+
+def test_sampling_flags_over_generation_config(tmp_path):
+    """Flags given win; then the checkpoint's generation_config.json; then the chat's own defaults."""
+    import argparse
+    from transformers import GenerationConfig
+    from flexengine.chat_repl import DEFAULT_TEMPERATURE, add_arguments, sampling_params
+    from test_loader import save_llama
+
+    save_llama(tmp_path)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plain = LLM(str(tmp_path), num_kv_blocks=16, block_size=16)
+    params = sampling_params(plain, parser.parse_args(["--max-tokens", "7"]))
+    assert (params.temperature, params.top_p, params.max_tokens) == (DEFAULT_TEMPERATURE, 1.0, 7)
+    GenerationConfig(do_sample=True, temperature=0.3, top_p=0.8).save_pretrained(str(tmp_path))
+    configured = LLM(str(tmp_path), num_kv_blocks=16, block_size=16)
+    params = sampling_params(configured, parser.parse_args([]))
+    assert (params.temperature, params.top_p) == (0.3, 0.8)
+    params = sampling_params(configured, parser.parse_args(["--temperature", "0", "--top-k", "5"]))
+    assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.8, 5)
