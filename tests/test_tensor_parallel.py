@@ -96,6 +96,25 @@ def test_two_ranks_match_transformers_and_one_rank(name, tmp_path_factory):
     assert token_ids(LLM(path, **ENGINE), PROMPTS, greedy())[0] == expected
 
 
+def test_async_scheduling_logprobs_and_prompt_logprobs_equal_one_rank(tmp_path_factory):
+    """Rank 0 feeds each step's pending tokens on the device (the workers get them inside the model), and
+    every logits call (sampling, prompt logprobs) gathers the vocabulary from both ranks."""
+    _, path = checkpoint("qwen3", tmp_path_factory)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    llm = LLM(path, tensor_parallel_size=2, async_scheduling=True, **ENGINE)
+    try:
+        _, two = token_ids(llm, PROMPTS, params)
+    finally:
+        llm.llm_engine.shutdown()
+    _, one = token_ids(LLM(path, **ENGINE), PROMPTS, params)
+    for a, b in zip(two, one):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        pairs = zip(a.outputs[0].logprobs + a.prompt_logprobs[1:], b.outputs[0].logprobs + b.prompt_logprobs[1:])
+        for got, want in pairs:
+            assert got.keys() == want.keys()
+            assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)
+
+
 def head_span_mask(b, h, q_idx, kv_idx, span):
     """Causal, and head h sees only the last span * (h + 1) keys: the heads of rank 1 see more than rank 0's."""
     return (kv_idx <= q_idx) & (q_idx - kv_idx < span[b] * (h + 1))
