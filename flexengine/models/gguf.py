@@ -77,6 +77,8 @@ def gguf_config(reader) -> dict:
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     names = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise ValueError("GGUF file has no token_embd.weight (the token embedding)")
     if "rope_freqs.weight" in names:
         raise ValueError("this GGUF scales its rotary frequencies with a rope_freqs tensor (Llama 3.1-style "
                          "rope scaling), which flexengine does not read yet")
@@ -86,11 +88,16 @@ def gguf_config(reader) -> dict:
     rotary = get("rope.dimension_count") if arch in PERMUTED_QK else None
     head_dim = get("attention.key_length") or rotary or hidden // heads
     layers = get("block_count")
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per layer in some files: one value is all a decoder here can have
+        if len(set(kv_heads)) != 1:
+            raise ValueError(f"GGUF gives different KV head counts per layer ({sorted(set(kv_heads))}), unsupported")
+        kv_heads = kv_heads[0]
     config = dict(
         architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES.get(arch, arch),
         vocab_size=int(names["token_embd.weight"].shape[1]), hidden_size=hidden,
         intermediate_size=get("feed_forward_length"), num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=get("attention.head_count_kv", heads), head_dim=head_dim,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=get("context_length", 2048), rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
         rope_theta=get("rope.freq_base", 10000.0), tie_word_embeddings="output.weight" not in names,
         torch_dtype="float32",
