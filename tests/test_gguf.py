@@ -23,6 +23,10 @@ Q = gguf.GGMLQuantizationType
 # (the file cannot carry another value); Gemma 3 keeps llama.cpp's fixed five-local-one-global pattern.
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama_31": ("LlamaConfig", "LlamaForCausalLM",  # Llama 3.1's rope scaling, as llama.cpp's rope_freqs tensor
+                 dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
+                     rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=64))),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM",
                    dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
@@ -66,6 +70,25 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: one divisor per rotary frequency."""
+    import math
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            out.append(1.0)
+        elif wavelen > old_context / low:
+            out.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf(hf, path, arch: str, qtype=Q.F32, embed_qtype=None) -> str:
     """The model as llama.cpp's converter would write it; 2-D weights in `qtype`, the embedding in
     `embed_qtype` (default qtype), norms and biases F32. A byte-level gpt2 vocabulary and chat template."""
@@ -92,6 +115,8 @@ def write_gguf(hf, path, arch: str, qtype=Q.F32, embed_qtype=None) -> str:
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(rope, head_dim))
     if gguf_arch.startswith("gemma"):
         w.add_sliding_window(c.sliding_window)
     if gguf_arch == "gemma2":

@@ -79,9 +79,6 @@ def gguf_config(reader) -> dict:
     names = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in names:
         raise ValueError("GGUF file has no token_embd.weight (the token embedding)")
-    if "rope_freqs.weight" in names:
-        raise ValueError("this GGUF scales its rotary frequencies with a rope_freqs tensor (Llama 3.1-style "
-                         "rope scaling), which flexengine does not read yet")
     get = lambda key, default=None: field(reader, f"{arch}.{key}", default)  # noqa: E731
     hidden, heads = get("embedding_length"), get("attention.head_count")
     # Llama-family files often give the head size only as the rotary dimension (the whole head there).
@@ -103,7 +100,10 @@ def gguf_config(reader) -> dict:
         torch_dtype="float32",
     )
     scaling = get("rope.scaling.type")
-    if scaling not in (None, "none"):
+    if "rope_freqs.weight" in names:
+        config["rope_scaling"] = llama3_scaling(dequantized(names["rope_freqs.weight"], torch.float32),
+                                                head_dim, config["rope_theta"])
+    elif scaling not in (None, "none"):
         if scaling != "linear":
             raise ValueError(f"unsupported GGUF rope scaling {scaling!r} (only linear is read)")
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
@@ -129,6 +129,27 @@ def gguf_config(reader) -> dict:
     if missing:
         raise ValueError(f"GGUF metadata lacks {', '.join(missing)} for architecture {arch!r}")
     return config
+
+
+def llama3_scaling(freq_factors: torch.Tensor, head_dim: int, theta: float) -> dict | None:
+    """The rope_scaling behind llama.cpp's rope_freqs tensor. Its converter writes Llama 3.1's scaling as
+    one divisor per rotary frequency, computed from (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings); Llama 3.1 and 3.2 use 1, 4 and 8192 for the last three. Those
+    are tried (then other power-of-two contexts), and the one that reproduces the tensor is used."""
+    from ..layers.rotary import default_inv_freq, llama3_inv_freq
+    if bool((freq_factors == 1).all()):
+        return None
+    factor = float(freq_factors.max())
+    base = default_inv_freq(head_dim, theta)
+    if freq_factors.shape != base.shape:
+        raise ValueError(f"rope_freqs has {freq_factors.numel()} entries, expected {base.numel()} (head_dim / 2)")
+    for original in [8192] + [2 ** k for k in range(4, 21)]:
+        scaled = llama3_inv_freq(base, factor, 1.0, 4.0, original)
+        if torch.allclose(base / scaled, freq_factors, rtol=1e-4):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": original}
+    raise ValueError("this GGUF's rope_freqs tensor matches no Llama 3 rope scaling (low_freq_factor 1, "
+                     "high_freq_factor 4): unsupported rotary scaling")
 
 
 def hf_name(gguf_name: str, arch: str) -> str:
@@ -211,7 +232,8 @@ def load_gguf_weights(model: torch.nn.Module, reader, arch: str, config: dict) -
     from .loader import check_tensors, checkpoint_layout
 
     layout = checkpoint_layout(model)
-    names = {hf_name(t.name, arch): t for t in reader.tensors}
+    # rope_freqs became the config's rope_scaling (gguf_config)
+    names = {hf_name(t.name, arch): t for t in reader.tensors if t.name != "rope_freqs.weight"}
     headers = {n: (None, tuple(int(d) for d in reversed(t.shape)), None) for n, t in names.items()}
     check_tensors(layout, headers, model)
     params = dict(model.named_parameters())
