@@ -75,7 +75,7 @@ def no_children_left():
     return not multiprocessing.active_children()
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])  # llama_one_kv_head: in the killed-worker test
 def test_two_ranks_match_transformers_and_one_rank(name, tmp_path_factory):
     hf, path = checkpoint(name, tmp_path_factory)
     expected = [hf_greedy(hf, p) for p in PROMPTS]
@@ -159,8 +159,11 @@ def test_alibi_slopes_follow_the_global_head_and_closures_reach_the_workers(tmp_
 
 
 def test_a_killed_worker_fails_the_call_within_seconds(tmp_path_factory):
-    _, path = checkpoint("llama", tmp_path_factory)
+    hf, path = checkpoint("llama_one_kv_head", tmp_path_factory)
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    # First, the one KV head both ranks hold a copy of gives transformers' tokens.
+    assert llm.llm_engine.runner.num_kv_heads == 1
+    assert token_ids(llm, PROMPTS, greedy())[0] == [hf_greedy(hf, p) for p in PROMPTS]
     worker = llm.llm_engine.runner.workers.procs[0]
     killed = []
 
@@ -228,3 +231,35 @@ def test_generate_cli_takes_the_flag(capsys):
     assert no_children_left()
     assert main(args) == 0
     assert capsys.readouterr().out == two
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from flexengine import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", block_size=8, num_kv_blocks=96)
+# Ranks > 0 serve rank 0's steps inside LLM(...) and exit when it shuts down: only rank 0 gets here.
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+llm.llm_engine.shutdown()
+"""
+
+
+def test_torchrun_launches_the_ranks(tmp_path_factory, tmp_path):
+    import json
+    import socket
+    import subprocess
+    import sys
+    hf, path = checkpoint("llama", tmp_path_factory)
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(port), str(script), path, json.dumps(PROMPTS)],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1  # printed by rank 0 alone
+    assert json.loads(lines[0][len("TOKENS "):]) == [hf_greedy(hf, p) for p in PROMPTS]

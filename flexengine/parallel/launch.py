@@ -97,22 +97,30 @@ def launched_by_torchrun() -> bool:
 
 
 def start_tensor_parallel(config: EngineConfig, model_path: str) -> tuple[TPGroup, "WorkerPool | None"]:
-    """(this process's group, the spawned workers or None). At size 1: (SINGLE, None), nothing started.
-    A process that already is a worker rank (spawned, or torchrun's rank > 0) gets its group."""
+    """(this process's group, the other ranks as rank 0 sees them, or None). At size 1: (SINGLE, None),
+    nothing started. A spawned worker building its runner gets its group and None; under torchrun, ranks
+    > 0 get a pool marked `serve_here` (the runner then serves rank 0's steps, parallel/driver.py)."""
     n = config.tensor_parallel_size
     if n == 1:
         return SINGLE, None
-    if tp_group().size > 1 and not tp_group().is_driver:
-        return tp_group(), None  # a worker building its runner
+    if tp_group().size > 1:
+        if not tp_group().is_driver and not launched_by_torchrun():
+            return tp_group(), None  # a spawned worker building its runner
+        raise ValueError(f"this process already runs rank {tp_group().rank} of a tensor-parallel engine; "
+                         f"shut that engine down (llm.llm_engine.shutdown()) before starting another")
     check_tensor_parallel(config, model_path)
     if launched_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != n:
             raise ValueError(f"tensor_parallel_size={n}, but torchrun started WORLD_SIZE={world} processes")
         rank = int(os.environ["RANK"])
-        return init_tensor_parallel(rank, n, torch.device(rank_device(config, rank)), "env://"), None
-    pool = WorkerPool(config, model_path)
+        pool = WorkerPool(n)
+        pool.tp = init_tensor_parallel(rank, n, torch.device(rank_device(config, rank)), "env://")
+        pool.serve_here = rank > 0
+        return pool.tp, pool
+    pool = WorkerPool(n)
     try:
+        pool.spawn(config, model_path)
         tp = pool.join_as_driver()
     except BaseException:
         pool.shutdown()
@@ -125,18 +133,21 @@ class WorkerFailed(RuntimeError):
 
 
 class WorkerPool:
-    """The spawned worker processes of rank 1..N-1, as seen from rank 0."""
+    """The ranks 1..N-1 as rank 0 sees them: the worker processes it spawned (none under torchrun)."""
 
-    def __init__(self, config: EngineConfig, model_path: str):
-        from .worker import worker_main
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.size = config.tensor_parallel_size
-        self.rank0_device = rank_device(config, 0)
-        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+    def __init__(self, size: int):
+        self.size = size
         self.procs, self.conns = [], []
         self.failed: WorkerFailed | None = None
         self.tp: TPGroup | None = None
+        self.serve_here = False  # torchrun's ranks > 0: this process is a worker
         self.depth = 0  # > 0 while rank 0 runs a step the workers were told about (nested calls pass through)
+
+    def spawn(self, config: EngineConfig, model_path: str) -> None:
+        from .worker import worker_main
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.rank0_device = rank_device(config, 0)
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(1, self.size):
             worker_config = dump_config(dataclasses.replace(config, model=model_path, device=rank_device(config, rank)))
             parent, child = ctx.Pipe()
@@ -152,7 +163,7 @@ class WorkerPool:
         self.tp = init_tensor_parallel(0, self.size, torch.device(self.rank0_device), self.init_method)
         return self.tp
 
-    def wait_for(self, what: str, timeout: float = START_TIMEOUT_S) -> None:
+    def wait_for(self, what: str, timeout: float = START_TIMEOUT_S) -> None:  # (torchrun: nothing to wait for)
         """Each worker's `what` message; a worker that dies or reports an error first raises WorkerFailed."""
         deadline = time.monotonic() + timeout
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):

@@ -47,9 +47,10 @@ def serve_steps(runner, tp) -> None:
     """Run what rank 0 announces until it says stop."""
     device = runner.device
     while True:
-        kind, *args, wanted = receive(tp)
-        if kind == "stop":
+        message = receive(tp)
+        if message[0] == "stop":
             return
+        kind, *args, wanted = message
         tensors = receive_tensors(tp, wanted, device)
         if kind == "forward":
             num_tokens, layout, block_size, num_blocks, names = args
