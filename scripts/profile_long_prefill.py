@@ -18,7 +18,7 @@ from flexengine.benchmarks.common import random_prompts
 
 def kernel_group(name: str) -> str:
     n = name.lower()
-    for key, group in (("flex", "flex attention"), ("gemm", "GEMM"), ("nvjet", "GEMM"), ("cutlass", "GEMM"),
+    for key, group in (("flex", "flex attention"), ("flash", "FA4 attention"), ("gemm", "GEMM"), ("nvjet", "GEMM"), ("cutlass", "GEMM"),
                        ("gather_pages", "workspace copy"), ("memcpy", "copies"), ("memset", "copies")):
         if key in n:
             return group

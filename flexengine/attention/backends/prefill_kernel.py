@@ -4,10 +4,11 @@ FlexAttention compiles the paged mods either into its Triton template or, with
 `kernel_options={"BACKEND": "FLASH"}` (torch >= 2.10 with flash-attn-4's CuTe DSL installed), into
 FlashAttention-4, which iterates the same block-sparse lists. On the H100 FA4 ran a 2,048-token chunk
 over a 32k prefix at 1.49x SDPA flash where the Triton template reached 1.08x (docs/benchmarks.md,
-session 9). `FLEXENGINE_FLEX_PREFILL` chooses: triton, flash (an error where FA4 cannot serve; a mod
-its code generator cannot compile falls back to Triton for good, with one warning naming why), or
-auto, the default, which is Triton for now and says once when FA4 could serve: FA4's kernels agree
-with the dense reference in single calls, but not yet measured inside the engine's CUDA graphs.
+session 9), and it was faster than Triton in every prefill row of the attention table (session 10).
+`FLEXENGINE_FLEX_PREFILL` chooses: triton, flash (an error where FA4 cannot serve), or auto, the
+default: FA4 wherever it can serve (a CUDA device of compute capability 9 or 10, a head size it takes,
+flash-attn-4 installed), else Triton, said once. Under flash and auto alike, a mod FA4's code generator
+cannot compile falls back to Triton for good, with one warning naming why.
 """
 from __future__ import annotations
 
@@ -75,10 +76,10 @@ class PrefillKernel:
             reason = None if self.mode == "triton" else fa4_unsupported_reason(query)
             if self.mode == "flash" and reason:
                 raise ValueError(f"FLEXENGINE_FLEX_PREFILL=flash, but {reason}")
-            self.flash = self.mode == "flash"
-            if self.mode == "auto" and reason is None:
-                logger.info("flex prefill kernel: Triton; FlashAttention-4 is installed and FLEXENGINE_FLEX_PREFILL="
-                            "flash runs the prefill on it (faster on the H100, not yet proven in CUDA graphs)")
+            self.flash = self.mode != "triton" and reason is None
+            if self.mode == "auto" and query.is_cuda:
+                logger.info("flex prefill kernel: %s", "FlashAttention-4" if self.flash else
+                            f"Triton ({reason}; FLEXENGINE_FLEX_PREFILL=triton|flash chooses)")
         if self.flash:
             return dict(FLASH_OPTIONS)
         return triton_options(query.shape[-1]) if query.is_cuda else {}  # (Inductor's CPU template: its own)
