@@ -136,6 +136,16 @@ def test_ignore_eos_still_ends_when_the_grammar_does(llm):
     assert out.finish_reason == "stop" and out.text in CHOICES
 
 
+def test_min_tokens_past_the_grammars_end_ends_the_completion(llm):
+    """min_tokens bans the EOS that a finished grammar allows alone: the row has no allowed token, and the
+    completion ends there (with a warning) instead of running on outside the grammar."""
+    spec = StructuredOutputsParams(choice=["ok"])
+    out = llm.generate(["go"], SamplingParams(temperature=0, max_tokens=20, min_tokens=5, structured_outputs=spec),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text.startswith("ok") and len(out.token_ids) == 3
+    assert llm.llm_engine.num_free_blocks() == llm.llm_engine.num_total_blocks and not llm.llm_engine.grammar_seqs
+
+
 @pytest.mark.parametrize("spec, message", [
     (dict(json={"type": "foo"}), r"structured_outputs\.json: invalid JSON schema: .*foo"),
     (dict(regex="a("), r"structured_outputs\.regex: invalid regex: .*parenthesis"),
@@ -278,3 +288,15 @@ def test_multi_step_and_cuda_graph_paths(gpu_shaped_engines):
         check(spec, out.outputs[0].text)
     assert not any(s.grammar is not None for seqs in multi for s in seqs)
     assert engine.num_free_blocks() == engine.num_total_blocks
+
+
+def test_throughput_benchmark_with_json_schemas(capsys, tmp_path):
+    from flexengine import cli
+    out_json = tmp_path / "s.json"
+    assert cli.main(["bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "24",
+                     "--json-schemas", "2", "--attention-backend", "reference", "--num-kv-blocks", "32", "--json-out", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^Ratio constrained / unconstrained: [0-9.]+$", out, re.M), out
+    assert re.search(r"^Grammar compile \(first request of each schema\): first [0-9.]+ ms", out, re.M), out
+    result = json.loads(out_json.read_text())
+    assert result["json_schemas"] == 2 and len(result["compile_s"]) == 2 and 0 < result["output_tokens"] <= 4 * 24

@@ -85,6 +85,7 @@ class Grammars:
                                                       stop_token_ids=self.stop_token_ids or None)
             self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by our key
             self.width = -(-info.vocab_size // 32)  # int32 words of a row's bitmask
+            self.batch = xgr.BatchGrammarMatcher()  # fills a step's rows on several threads
         return self.compiler
 
     def cached(self, spec: StructuredOutputsParams) -> bool:
@@ -143,7 +144,7 @@ class Grammars:
     def matcher(self, compiled) -> "GrammarState":
         xgr = import_xgrammar()
         return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None),
-                            width=self.width)
+                            width=self.width, batch=self.batch)
 
 
 @dataclass(eq=False)
@@ -151,17 +152,18 @@ class GrammarState:
     """A sequence's matcher: where its output stands in the grammar."""
     matcher: object
     width: int                   # int32 words of its bitmask
+    batch: object                # the engine's xgrammar.BatchGrammarMatcher
     rejected: int | None = None  # a token the grammar did not allow (only if every token was banned)
 
 
 def fill_token_mask(seqs, rows, device) -> TokenMask:
-    """Each grammar row's allowed next tokens, filled on the host by its matcher (xgrammar's
-    fill_next_token_bitmask), then one copy to the device."""
-    bitmask = torch.full((len(rows), seqs[rows[0]].grammar.width), -1, dtype=torch.int32)
-    for i, row in enumerate(rows):
-        seq = seqs[row]
-        assert seq.num_pending == 0, "a grammar row's last token must be on the host before its mask is filled"
-        seq.grammar.matcher.fill_next_token_bitmask(bitmask, i)
+    """Each grammar row's allowed next tokens, filled on the host by the rows' matchers (xgrammar's
+    batch_fill_next_token_bitmask, on several threads), then one copy to the device."""
+    first = seqs[rows[0]].grammar
+    bitmask = torch.full((len(rows), first.width), -1, dtype=torch.int32)
+    assert not any(seqs[row].num_pending for row in rows), \
+        "a grammar row's last token must be on the host before its mask is filled"
+    first.batch.batch_fill_next_token_bitmask([seqs[row].grammar.matcher for row in rows], bitmask)
     return TokenMask(rows=to_device(np.asarray(rows, dtype=np.int64), device),
                      bitmask=to_device(bitmask.numpy(), device))
 
@@ -170,10 +172,14 @@ def accept_tokens(seqs, tokens) -> None:
     """Advance each grammar sequence's matcher by its new token. A token the grammar refuses can only come
     from a row whose every token was banned (min_tokens holding back the EOS a finished grammar needs):
     it is kept, and the sequence ends with it (finish_terminated)."""
-    for seq, token in zip(seqs, tokens):
-        state = seq.grammar
-        if state is not None and state.rejected is None and not state.matcher.accept_token(token):
-            state.rejected = token
+    pairs = [(seq, token) for seq, token in zip(seqs, tokens) if seq.grammar is not None and seq.grammar.rejected is None]
+    if not pairs:
+        return
+    batch = pairs[0][0].grammar.batch
+    accepted = batch.batch_accept_token([seq.grammar.matcher for seq, _ in pairs], [token for _, token in pairs])
+    for (seq, token), ok in zip(pairs, accepted):
+        if not ok:
+            seq.grammar.rejected = token
             logger.warning("request %s: the grammar refused token %d (every token was banned: min_tokens with a "
                            "finished grammar?); ending the completion", seq.request_id, token)
 
