@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import hmac
 import json
+import os
 import re
 from contextlib import asynccontextmanager
 
@@ -104,6 +105,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app = FastAPI(title="flexengine", lifespan=lifespan)
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
+    from ..llm import generation_config_defaults  # the checkpoint's sampling defaults (vLLM's generation-config auto)
+    generation_defaults = generation_config_defaults(model_root) if model_root and os.path.isdir(model_root) else {}
 
     @app.exception_handler(ApiError)
     async def on_api_error(_, exc: ApiError):
@@ -152,8 +155,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return ApiError(400, message, param=field_named_in(message, body, default_param))
 
     def sampling_params(body, default_max_tokens, logprobs, prompt_logprobs=None):
+        default_max_tokens = min(default_max_tokens, generation_defaults.get("max_tokens", default_max_tokens))
         try:
-            return body.to_sampling_params(default_max_tokens, logprobs, prompt_logprobs)
+            return body.to_sampling_params(default_max_tokens, logprobs, prompt_logprobs, generation_defaults)
         except ValueError as e:
             raise bad_request(str(e), body, None) from e
 

@@ -107,13 +107,18 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)!r}") from None
 
     def to_sampling_params(self, default_max_tokens: int | None, logprobs: int | None,
-                           prompt_logprobs: int | None = None) -> SamplingParams:
+                           prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: the checkpoint's generation_config.json sampling fields, for those this request
+        leaves out (vLLM's --generation-config auto)."""
+        chosen = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        chosen.update({k: v for k, v in (defaults or {}).items() if k in chosen and k not in self.model_fields_set})
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            n=self.n, temperature=chosen["temperature"], top_p=chosen["top_p"], top_k=chosen["top_k"],
+            min_p=chosen["min_p"],
             seed=self.seed, max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=chosen["repetition_penalty"],
             logit_bias=self.logit_bias_ids(), min_tokens=self.min_tokens,
             structured_outputs=self.structured_outputs_params())
 
