@@ -4,6 +4,8 @@ Gemma norms stored as w + 1), loaded by flexengine and compared with the origina
 transformers loading the same file."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -336,3 +338,13 @@ def test_random_preset_still_needs_out(tmp_path):
     from flexengine.cli import main
     with pytest.raises(SystemExit, match="--out is required"):
         main(["make-model", "--preset", "smollm2-135m"])
+
+
+def test_without_the_gguf_package_the_cli_says_which_extra(tmp_path, monkeypatch, capsys):
+    """Without the gguf package a GGUF model is one line naming the extra, not a traceback."""
+    from flexengine.cli import main
+    file = write_gguf(hf_model("llama"), tmp_path / "m.gguf", "llama")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ModuleNotFoundError
+    assert main(["generate", "--model", file, "hi", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'flexengine[gguf]'" in err and "Traceback" not in err

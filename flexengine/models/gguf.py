@@ -43,10 +43,12 @@ TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", 
 
 
 def require_gguf():
+    from .default_model import ModelUnavailableError  # a ValueError the CLI shows as one line
     try:
         import gguf
     except ModuleNotFoundError:
-        raise ValueError("reading GGUF files needs the gguf package: pip install 'flexengine[gguf]'") from None
+        raise ModelUnavailableError("reading GGUF files needs the gguf package: pip install 'flexengine[gguf]'") \
+            from None
     return gguf
 
 
