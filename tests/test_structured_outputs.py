@@ -122,6 +122,22 @@ def test_neighbours_grammars_do_not_change_unconstrained_greedy_outputs(async_sc
     assert engine.num_free_blocks() == engine.num_total_blocks and not engine.grammar_seqs
 
 
+def test_grammar_state_survives_preemption(llm):
+    """A preempted grammar request is recomputed from its tokens; its matcher, which saw them all, goes on:
+    the seeded outputs equal those of a roomy engine."""
+    prompts = [f"prompt {i}: " + "ab" * i for i in range(4)]
+    specs = [SPECS[3], SPECS[4], SPECS[3], SPECS[4]]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=20, structured_outputs=spec)
+              for i, spec in enumerate(specs)]
+    roomy = llm.generate(prompts, params, use_tqdm=False)
+    tight = LLM(seed=0, attention_backend="reference", num_kv_blocks=10, block_size=4, max_model_len=40)
+    cramped = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
+    for out, spec in zip(cramped, specs):
+        check(spec, out.outputs[0].text)
+
+
 def test_a_grammar_that_cannot_finish_in_max_tokens_is_cut_at_length(llm):
     spec = StructuredOutputsParams(regex="a{30}b")
     out = llm.generate(["go"], SamplingParams(temperature=1.0, seed=1, max_tokens=5, structured_outputs=spec),

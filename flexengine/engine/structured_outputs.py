@@ -32,7 +32,7 @@ from ..structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-MAX_CACHED_GRAMMARS = 512
+MAX_CACHED_GRAMMARS = 512  # a compiled JSON schema is ~60-120 KB at a 49k vocabulary (SmolLM2's)
 MISSING_EXTRA = ("structured outputs need the xgrammar package, which is not installed: "
                  "pip install 'flexengine[structured]'")
 
@@ -74,19 +74,26 @@ class Grammars:
         self.compile_seconds: dict[str, float] = {}  # key → how long its compile took (benchmarks read it)
 
     def _compiler(self):
-        if self.compiler is None:
-            xgr = import_xgrammar()
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs need a tokenizer, and this model has none")
-            # The model's vocabulary may be larger than the tokenizer's (padded embeddings): xgrammar then
-            # sizes the bitmask for the model, and the ids the tokenizer lacks are never allowed.
-            size = max(self.vocab_size, len(self.tokenizer))
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=size,
-                                                      stop_token_ids=self.stop_token_ids or None)
-            self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by our key
-            self.width = -(-info.vocab_size // 32)  # int32 words of a row's bitmask
-            self.batch = xgr.BatchGrammarMatcher()  # fills a step's rows on several threads
+        with self.lock:  # the engine's thread and the compile worker may both get here first
+            if self.compiler is None:
+                self._build_compiler()
         return self.compiler
+
+    def _build_compiler(self) -> None:
+        xgr = import_xgrammar()
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer, and this model has none")
+        started = time.perf_counter()
+        # The model's vocabulary may be larger than the tokenizer's (padded embeddings): xgrammar then
+        # sizes the bitmask for the model, and the ids the tokenizer lacks are never allowed.
+        size = max(self.vocab_size, len(self.tokenizer))
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=size,
+                                                  stop_token_ids=self.stop_token_ids or None)
+        self.width = -(-info.vocab_size // 32)  # int32 words of a row's bitmask
+        self.batch = xgr.BatchGrammarMatcher()  # fills a step's rows on several threads
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by our key
+        logger.info("structured outputs: xgrammar ready for a %d-token vocabulary in %.2f s", info.vocab_size,
+                    time.perf_counter() - started)
 
     def cached(self, spec: StructuredOutputsParams) -> bool:
         with self.lock:
@@ -94,6 +101,14 @@ class Grammars:
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of `spec` (cached); ValueError naming it when it does not compile."""
+        hit = self.lookup_or_compile(spec)
+        if isinstance(hit, str):
+            raise ValueError(hit)
+        return hit
+
+    def lookup_or_compile(self, spec: StructuredOutputsParams):
+        """The cache's entry for `spec`, compiled first on a miss: a CompiledGrammar, or the message of the
+        spec's error. A missing xgrammar or tokenizer raises (it is not the spec's fault, so not cached)."""
         key = spec.key()
         with self.lock:
             hit = self.cache.get(key)
@@ -110,9 +125,7 @@ class Grammars:
                 self.compile_seconds[key] = time.perf_counter() - started
                 self.cache[key] = hit
                 while len(self.cache) > MAX_CACHED_GRAMMARS:
-                    self.cache.popitem(last=False)
-        if isinstance(hit, str):
-            raise ValueError(hit)
+                    self.compile_seconds.pop(self.cache.popitem(last=False)[0], None)
         return hit
 
     @staticmethod
@@ -132,14 +145,8 @@ class Grammars:
             return None
         if self.pool is None:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="flexengine-grammar")
-        return self.pool.submit(self._compile_quietly, spec)
-
-    def _compile_quietly(self, spec: StructuredOutputsParams) -> None:
-        """For the worker: the outcome is in the cache (or raised again by `compile` when not cacheable)."""
-        try:
-            self.compile(spec)
-        except ValueError:
-            pass  # add_request compiles again from the cache and raises it to the client
+        # The future's outcome is in the cache; add_request reads it there (and raises the spec's error).
+        return self.pool.submit(self.lookup_or_compile, spec)
 
     def matcher(self, compiled) -> "GrammarState":
         xgr = import_xgrammar()
