@@ -119,3 +119,30 @@ def test_sampling_flags_over_generation_config(tmp_path):
     assert (params.temperature, params.top_p) == (0.3, 0.8)
     params = sampling_params(configured, parser.parse_args(["--temperature", "0", "--top-k", "5"]))
     assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.8, 5)
+
+
+def test_ctrl_c_stops_a_reply_and_frees_its_pages(llm, monkeypatch):
+    """Ctrl-C while a reply streams (here: raised from the third write) aborts the request: the reply so
+    far is kept, the KV pages come back, and the next reply is as if nothing happened."""
+    from flexengine.chat_repl import stream_reply
+
+    class Screen:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, s):
+            self.writes.append(s)
+            if len(self.writes) == 3:
+                raise KeyboardInterrupt
+
+        def flush(self):
+            pass
+
+    engine = llm.llm_engine
+    free = engine.num_free_blocks()
+    monkeypatch.setattr(sys, "stdout", Screen())
+    conv = [{"role": "user", "content": "go on"}]
+    text = stream_reply(llm, conv, SamplingParams(temperature=0, max_tokens=40), None, "interrupted")
+    assert sys.stdout.writes[-2:] == [" [stopped]", "\n"]
+    assert text == reply(llm, conv)[:3]  # the three pieces the screen got
+    assert not engine.has_unfinished_requests() and engine.num_free_blocks() == free
