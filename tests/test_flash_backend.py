@@ -362,3 +362,19 @@ def test_flex_flash_reference_agree_on_gpu(mask_mod, score_mod):
         for backend in backends:
             out = run(backend, step, mask_mod, score_mod).float()
             torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2, msg=lambda m: f"{backend.name}: {m}")
+
+
+def test_each_engine_owns_its_flex_workspace(gpu_shaped_engines, tmp_path):
+    """Two engines in one process (different dtypes): each keeps its own prefill workspace, so the first
+    still serves, with its own tokens, after the second is built (a shared backend handed the first
+    engine the second's float32 workspace)."""
+    config = dict(model=tiny_llama_head_32(tmp_path), max_num_seqs=4, max_num_batched_tokens=24,
+                  num_kv_blocks=48, max_model_len=64)
+    prompts = [{"prompt_token_ids": [(11 * i + 5 * j) % 250 + 1 for j in range(n)]} for i, n in enumerate([20, 7])]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = LLM(**config, dtype="bfloat16")
+    before = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
+    second = LLM(**config, dtype="float32")
+    assert first.llm_engine.runner.backend is not second.llm_engine.runner.backend
+    second.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)] == before

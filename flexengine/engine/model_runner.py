@@ -115,7 +115,7 @@ class ModelRunner:
         self.mod_params = mod_params(self.mods)  # {name: its dtype, fixed here, and the mod reading it}
         self.compiled = wants_compile(self.device, config.enforce_eager)  # fused kernels and CUDA graphs
         self.backend = get_backend(config.attention_backend, self.mods, self.head_dim, block_size=config.block_size,
-                                   dtype=self.dtype, graphs=self.compiled)
+                                   dtype=self.dtype, graphs=self.compiled, shared=False)
         # Flex on a GPU is always the compiled kernel (eager flex materialises every score), even with
         # enforce_eager, and compiled flex needs a fixed set of shapes: decode rows and prefill tiles
         # padded to buckets, every per-request tensor max_num_seqs rows long.

@@ -22,20 +22,23 @@ def resolve_backend_name(name: str | None) -> tuple[str, str]:
 
 
 def get_backend(name: str | None = None, mods=(), head_dim: int | None = None, block_size: int | None = None,
-                dtype=None, graphs: bool = False):
+                dtype=None, graphs: bool = False, shared: bool = True):
     """A backend instance for `name` (None → env → auto) that can serve every (mask, score) in mods.
 
     block_size and dtype (optional) let flash refuse early: FA2's paged KV needs block_size % 256 == 0,
     and the kernels take only float16/bfloat16. `graphs`: the engine replays decode from CUDA graphs,
     which only flex does here, so auto keeps flex (measured faster end to end, docs/benchmarks.md).
+    `shared=False` (an engine): a flex instance of its own, since it holds the engine's prefill
+    workspace, sized for that engine's model and dtype; the functional API shares one.
     """
     from .flash import Unsupported, flash_unsupported_reason, make_flash_backend, note_auto_fallback
 
     chosen, source = resolve_backend_name(name)
     if chosen == "reference":
         return ReferenceBackend()
+    flex = default_flex if shared else FlexBackend
     if chosen == "flex":
-        return default_flex()
+        return flex()
     reason = flash_unsupported_reason(mods, head_dim, block_size, dtype)
     if chosen == "flash":
         if reason:
@@ -47,7 +50,7 @@ def get_backend(name: str | None = None, mods=(), head_dim: int | None = None, b
                                        "(FLEXENGINE_ATTENTION_BACKEND=flash forces it)")
     if reason:  # auto
         note_auto_fallback(reason)
-        return default_flex()
+        return flex()
     return make_flash_backend(block_size)
 
 
