@@ -250,6 +250,19 @@ def test_unsupported_architecture_is_named(tmp_path):
         load_model(str(path))
 
 
+def test_missing_metadata_is_named(tmp_path):
+    path = tmp_path / "bare.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF metadata lacks llama.embedding_length, llama.feed_forward_length"):
+        load_model(str(path))
+
+
 def test_several_gguf_files_in_a_directory(tmp_path):
     for name in ("a.gguf", "b.gguf"):
         (tmp_path / name).write_bytes(b"")

@@ -82,6 +82,11 @@ def gguf_config(reader) -> dict:
     if "token_embd.weight" not in names:
         raise ValueError("GGUF file has no token_embd.weight (the token embedding)")
     get = lambda key, default=None: field(reader, f"{arch}.{key}", default)  # noqa: E731
+    required = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count",
+                "attention.layer_norm_rms_epsilon")
+    missing = [f"{arch}.{k}" for k in required if get(k) is None]
+    if missing:
+        raise ValueError(f"GGUF metadata lacks {', '.join(missing)}")
     hidden, heads = get("embedding_length"), get("attention.head_count")
     # Llama-family files often give the head size only as the rotary dimension (the whole head there).
     rotary = get("rope.dimension_count") if arch in PERMUTED_QK else None
@@ -126,10 +131,6 @@ def gguf_config(reader) -> dict:
         value = field(reader, f"tokenizer.ggml.{key}")
         if value is not None:
             config[ours] = int(value)
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                           "rms_norm_eps") if config[k] is None]
-    if missing:
-        raise ValueError(f"GGUF metadata lacks {', '.join(missing)} for architecture {arch!r}")
     return config
 
 
