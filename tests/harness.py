@@ -6,6 +6,8 @@ by one-token decode steps for all requests together.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 
 import torch
@@ -97,3 +99,27 @@ def greedy_generate(model, prompt_ids, max_new_tokens: int, block_size: int = 16
         lengths = [n + 1 for n in lengths]
         logits = list(out)
     return (tokens[0], logprobs[0]) if single else (tokens, logprobs)
+
+
+@contextlib.contextmanager
+def flex_prefill(kernel: str):
+    """FLEXENGINE_FLEX_PREFILL for the flex backends made inside (paged_attention's shared one decides at
+    its first call; this makes a fresh decision)."""
+    from flexengine.attention.backends import default_flex
+    from flexengine.config import FLEX_PREFILL_ENV
+    before = os.environ.get(FLEX_PREFILL_ENV)
+    os.environ[FLEX_PREFILL_ENV] = kernel
+    default_flex.cache_clear()
+    try:
+        yield
+    finally:
+        os.environ.pop(FLEX_PREFILL_ENV) if before is None else os.environ.__setitem__(FLEX_PREFILL_ENV, before)
+        default_flex.cache_clear()
+
+
+def fa4_reason():
+    """Why FA4 cannot serve flex's prefill here, or None."""
+    from flexengine.attention.backends.prefill_kernel import fa4_unsupported_reason
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    return fa4_unsupported_reason(torch.empty(1, 1, 1, 64, dtype=torch.bfloat16, device="cuda"))

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from attention_reference import PLAIN_MASKS, as_plain, dense_paged_attention, make_paged_batch
+from harness import fa4_reason, flex_prefill
 from flexengine import LLM, SamplingParams, masks
 from flexengine.attention import paged_attention
 from flexengine.attention.backends.flex import FlexBackend
@@ -211,7 +212,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each compiles its mods
 @given(gym_cases(max_len=300, block_sizes=(16, 32, 64, 128)))  # the Triton kernel's KV tile is >= 16
 def test_gym_mods_in_the_compiled_kernel(case):
-    out, ref = run_gym_case(case, "flex", device="cuda", dtype=torch.bfloat16)
+    with flex_prefill("triton"):
+        out, ref = run_gym_case(case, "flex", device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(fa4_reason() is not None, reason=f"FlashAttention-4 cannot run here: {fa4_reason()}")
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each: one FA4 JIT compile
+@given(gym_cases(max_len=300, block_sizes=(16, 128)))
+def test_gym_mods_in_fa4(case):
+    with flex_prefill("flash"):
+        out, ref = run_gym_case(case, "flex", device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
