@@ -316,3 +316,43 @@ def test_throughput_benchmark_with_json_schemas(capsys, tmp_path):
     assert re.search(r"^Grammar compile \(first request of each schema\): first [0-9.]+ ms", out, re.M), out
     result = json.loads(out_json.read_text())
     assert result["json_schemas"] == 2 and len(result["compile_s"]) == 2 and 0 < result["output_tokens"] <= 4 * 24
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_token_mask_on_cuda_matches_xgrammars_kernel():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for V in (32, 4000, 32 * 4008):  # a 128k vocabulary's width among them
+        W = V // 32
+        logits = torch.randn(6, V, device="cuda", generator=g)
+        bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (6, W), dtype=torch.int32, device="cuda", generator=g)
+        rows = torch.tensor([0, 2, 5], device="cuda")
+        want = logits.clone()
+        full = torch.full((6, W), -1, dtype=torch.int32, device="cuda")
+        full[rows] = bitmask[rows]
+        xgr.apply_token_bitmask_inplace(want, full, vocab_size=V)
+        assert torch.equal(apply_token_mask(logits, rows, bitmask[rows]), want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("flags", [dict(async_scheduling=True), dict(num_scheduler_steps=4)])
+def test_grammar_requests_on_the_cuda_graph_engine(flags):
+    """The real CUDA-graph engine (decode and mixed graphs), with async scheduling or multi-step decode:
+    grammar outputs validate and the unconstrained greedy outputs equal those run alone."""
+    llm = LLM(seed=0, max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=256, **flags)
+    prompts, params = unconstrained_requests(max_tokens=32)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    specs = SPECS[:1] + SPECS[2:]
+    grammar = [SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=200, structured_outputs=s)
+               for i, s in enumerate(specs)]
+    outs = llm.generate(prompts + [f"g{i}" for i in range(len(specs))], params + grammar, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:len(prompts)]] == alone
+    for out, spec in zip(outs[len(prompts):], specs):
+        for c in out.outputs:
+            assert c.finish_reason == "stop"
+            check(spec, c.text)
+    assert llm.llm_engine.num_free_blocks() == llm.llm_engine.num_total_blocks

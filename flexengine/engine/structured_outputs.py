@@ -54,7 +54,8 @@ def xgrammar_message(error: Exception) -> str:
     """xgrammar's error without its C++ log prefix ("[03:46:09] /project/cpp/x.cc:83: ")."""
     text = str(error).strip()
     text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
-    return re.sub(r"^Check failed: \(.*?\) is false: ", "", text).splitlines()[0]
+    text = re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 WHAT = {"json": "invalid JSON schema", "regex": "invalid regex", "choice": "invalid choice",
