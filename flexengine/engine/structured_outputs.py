@@ -168,7 +168,7 @@ def fill_token_mask(seqs, rows, device) -> TokenMask:
     """Each grammar row's allowed next tokens, filled on the host by the rows' matchers (xgrammar's
     batch_fill_next_token_bitmask, on several threads), then one copy to the device."""
     first = seqs[rows[0]].grammar
-    bitmask = torch.full((len(rows), first.width), -1, dtype=torch.int32)
+    bitmask = torch.empty((len(rows), first.width), dtype=torch.int32)  # the fill writes every word of a row
     assert not any(seqs[row].num_pending for row in rows), \
         "a grammar row's last token must be on the host before its mask is filled"
     first.batch.batch_fill_next_token_bitmask([seqs[row].grammar.matcher for row in rows], bitmask)
