@@ -93,6 +93,8 @@ def test_two_ranks_match_transformers_and_one_rank(name, tmp_path_factory):
     finally:
         llm.llm_engine.shutdown()
     assert no_children_left()
+    with pytest.raises(RuntimeError, match="was shut down"):
+        token_ids(llm, PROMPTS, greedy())
     assert token_ids(LLM(path, **ENGINE), PROMPTS, greedy())[0] == expected
 
 

@@ -10,6 +10,8 @@ The scheduler, the block manager and the sampler exist on rank 0 alone: only ran
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -26,20 +28,40 @@ def receive(tp: TPGroup) -> tuple:
     return box[0]
 
 
+def stopped_together(tp: TPGroup, timeout_s: float = 10.0) -> None:
+    """Every rank has read the stop message before any leaves the group (a rank that leaves while another
+    still reads from it can abort that one's process at exit)."""
+    import datetime
+    dist.monitored_barrier(group=tp.control, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def specs(tensors: list[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return [(tuple(t.shape), t.dtype) for t in tensors]
 
 
 def broadcast_tensors(tp: TPGroup, tensors: list[torch.Tensor]) -> None:
-    for t in tensors:
-        dist.broadcast(t.contiguous(), src=0, group=tp.device)
+    """The step's tensors as ONE broadcast of their bytes (one collective per step, not one per tensor)."""
+    if tensors:
+        parts = []
+        for t in tensors:
+            raw = t.contiguous().view(-1).view(torch.uint8)
+            parts.append(torch.nn.functional.pad(raw, (0, padded(raw.numel()) - raw.numel())))
+        dist.broadcast(torch.cat(parts), src=0, group=tp.device)
+
+
+def padded(nbytes: int) -> int:
+    """Each tensor starts on an 8-byte boundary of the packed bytes, so it can be viewed as its dtype."""
+    return -(-nbytes // 8) * 8
 
 
 def receive_tensors(tp: TPGroup, wanted: list[tuple[tuple[int, ...], torch.dtype]], device) -> list[torch.Tensor]:
-    out = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in wanted]
-    for t in out:
-        dist.broadcast(t, src=0, group=tp.device)
-    return out
+    if not wanted:
+        return []
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in wanted]
+    packed = torch.empty(sum(map(padded, sizes)), dtype=torch.uint8, device=device)
+    dist.broadcast(packed, src=0, group=tp.device)
+    parts = packed.split(list(map(padded, sizes)))
+    return [part[:n].view(dtype).view(shape) for part, n, (shape, dtype) in zip(parts, sizes, wanted)]
 
 
 def forward_tensors(positions, meta) -> tuple[list[str], list[torch.Tensor]]:

@@ -18,7 +18,7 @@ import os
 import pickle
 import socket
 import time
-import traceback
+import weakref
 
 import torch
 
@@ -142,6 +142,7 @@ class WorkerPool:
         self.tp: TPGroup | None = None
         self.serve_here = False  # torchrun's ranks > 0: this process is a worker
         self.depth = 0  # > 0 while rank 0 runs a step the workers were told about (nested calls pass through)
+        self.joined: list[TPGroup] = []  # the group this pool's rank 0 joined, until it leaves it
 
     def spawn(self, config: EngineConfig, model_path: str) -> None:
         from .worker import worker_main
@@ -157,10 +158,13 @@ class WorkerPool:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
+        # An engine that fails to start (or is dropped) after this still ends its workers and the group.
+        weakref.finalize(self, reap, self.procs, self.joined)
 
     def join_as_driver(self) -> TPGroup:
         self.wait_for("joining")  # a worker that fails to import or start says so instead of hanging the rendezvous
         self.tp = init_tensor_parallel(0, self.size, torch.device(self.rank0_device), self.init_method)
+        self.joined.append(self.tp)
         return self.tp
 
     def wait_for(self, what: str, timeout: float = START_TIMEOUT_S) -> None:  # (torchrun: nothing to wait for)
@@ -241,15 +245,17 @@ class WorkerPool:
     def close_group(self) -> None:
         if self.tp is not None:
             self.tp = None
+            self.joined.clear()
             with contextlib.suppress(Exception):
                 destroy_tensor_parallel()
 
     def shutdown(self) -> None:
         """Tell the workers to stop, wait for them, kill any that does not; leave the group. Idempotent."""
         if self.failed is None and self.tp is not None and all(p.is_alive() for p in self.procs):
-            from .driver import send
+            from .driver import send, stopped_together
             with contextlib.suppress(Exception):
                 send(self.tp, ("stop",))
+                stopped_together(self.tp, STOP_TIMEOUT_S)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -262,6 +268,19 @@ class WorkerPool:
         for conn in self.conns:
             conn.close()
         self.conns = []
+        if self.failed is None:
+            self.failed = WorkerFailed("this tensor-parallel engine was shut down; start a new one")
+
+
+def reap(procs, joined: list[TPGroup]) -> None:
+    """Kill what is left of a pool nobody holds any more, and leave its group if it is still joined."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(STOP_TIMEOUT_S)
+    if joined and tp_group() is joined[0]:
+        with contextlib.suppress(Exception):
+            destroy_tensor_parallel()
 
 
 def agree_on_min(value: int, tp: TPGroup) -> int:

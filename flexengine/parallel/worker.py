@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..attention.metadata import build_metadata
-from .driver import receive, receive_tensors
+from .driver import receive, receive_tensors, stopped_together
 from .state import destroy_tensor_parallel, init_tensor_parallel
 
 
@@ -49,6 +49,7 @@ def serve_steps(runner, tp) -> None:
     while True:
         message = receive(tp)
         if message[0] == "stop":
+            stopped_together(tp)
             return
         kind, *args, wanted = message
         tensors = receive_tensors(tp, wanted, device)
