@@ -32,10 +32,7 @@ from .logits_adjust import build_logits_adjust
 from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
 from .structured_outputs import fill_token_mask
 from .in_flight import InFlightStep, feed_inputs
-from ..parallel.driver import drive_workers
-from ..parallel.heads import shift_layer_mods
-from ..parallel.launch import agree_on_min, start_tensor_parallel
-from ..parallel.state import building_for
+from ..parallel import agree_on_min, building_for, drive_workers, shift_layer_mods, start_tensor_parallel
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
