@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flexengine import LLM, SamplingParams, masks
 from flexengine.parallel.layers import kv_heads_of_rank
@@ -115,6 +117,31 @@ def test_async_scheduling_logprobs_and_prompt_logprobs_equal_one_rank(tmp_path_f
         for got, want in pairs:
             assert got.keys() == want.keys()
             assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)
+
+
+@settings(max_examples=200, deadline=None)
+@given(kv_heads=st.integers(1, 16), group=st.integers(1, 8), size=st.sampled_from([1, 2, 3, 4, 6, 8, 16]))
+def test_every_rank_holds_the_kv_heads_its_query_heads_read(kv_heads, group, size):
+    """Plain GQA arithmetic as the reference: global query head g reads KV head g // group. A rank runs its
+    heads locally (local query head i reads local KV head i // (its q heads / its kv heads)); that must be
+    the same KV head, and every query head must belong to exactly one rank."""
+    heads = kv_heads * group
+    if heads % size:
+        return  # refused for the query heads (test_a_size_that_does_not_divide_the_heads_...)
+    if kv_heads % size and size % kv_heads:
+        message = rf"tensor_parallel_size={size} (is more than the {kv_heads} KV heads|.*KV heads \({kv_heads}\))"
+        with pytest.raises(ValueError, match=message):
+            kv_heads_of_rank(kv_heads, 0, size)
+        return
+    per_rank, owners = heads // size, []
+    for rank in range(size):
+        first_kv, local_kv = kv_heads_of_rank(kv_heads, rank, size)
+        assert per_rank % local_kv == 0
+        for i in range(per_rank):
+            g = rank * per_rank + i
+            owners.append(g)
+            assert first_kv + i // (per_rank // local_kv) == g // group
+    assert owners == list(range(heads))
 
 
 def head_span_mask(b, h, q_idx, kv_idx, span):
