@@ -249,6 +249,10 @@ def test_settings_that_do_not_pickle_are_a_value_error(tmp_path_factory):
         LLM(path, tensor_parallel_size=2, mask_mod=locked_causal, **ENGINE)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(path, tensor_parallel_size=0, **ENGINE)
+    gguf = tmp_path_factory.mktemp("gguf") / "model.gguf"
+    gguf.write_bytes(b"")  # never read: refused by its name first
+    with pytest.raises(ValueError, match="model.gguf is a GGUF file"):
+        LLM(str(gguf), tensor_parallel_size=2, **ENGINE)
     assert not multiprocessing.active_children()
 
 

@@ -53,8 +53,12 @@ def check_tensor_parallel(config: EngineConfig, model_path: str) -> None:
                              f"{visible} {'is' if visible == 1 else 'are'} visible")
     elif backend == "nccl":
         raise ValueError(f"FLEXENGINE_DIST_BACKEND=nccl runs on CUDA devices, but device={config.device!r}")
-    if model_path.endswith(".gguf"):
-        raise ValueError("tensor parallelism reads slices of safetensors checkpoints; a GGUF file is not sharded")
+    from ..models.default_model import resolve_named_model
+    from ..models.gguf import find_gguf
+    gguf = find_gguf(resolve_named_model(model_path))
+    if gguf is not None:
+        raise ValueError(f"tensor_parallel_size={n}: tensor parallelism reads slices of safetensors checkpoints, "
+                         f"and {gguf} is a GGUF file (run it with tensor_parallel_size=1)")
     # Build the model's rank-0 shard on the meta device: every divisibility rule of the sharded layers
     # (attention heads, KV heads, MLP and vocabulary sizes) raises here, with its numbers.
     from transformers import AutoConfig
