@@ -295,6 +295,26 @@ def test_client_disconnect_frees_pages(base_url):
     assert after["flexengine:generation_tokens_total"] - generated_before < 400  # stopped early
 
 
+def test_metrics_are_prometheus_text_with_vllms_families(base_url, client):
+    """/metrics parses with Prometheus' own text parser; a finished request shows in vLLM's families."""
+    from prometheus_client.parser import text_string_to_metric_families
+    wait_idle(base_url)
+    client.completions.create(model=MODEL, prompt="count", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    wait_idle(base_url)
+    response = httpx.get(base_url + "/metrics")
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    kinds = {name: f.type for name, f in families.items()}
+    assert kinds["flexengine:request_success"] == "counter" and kinds["flexengine:generation_tokens"] == "counter"
+    assert kinds["flexengine:time_to_first_token_seconds"] == "histogram"
+    assert kinds["flexengine:num_free_kv_blocks"] == "gauge"
+    ttft = {s.name: s.value for s in families["flexengine:time_to_first_token_seconds"].samples
+            if s.name.endswith("_count")}
+    assert ttft["flexengine:time_to_first_token_seconds_count"] >= 1
+    stops = [s for s in families["flexengine:request_success"].samples if s.labels.get("finished_reason") == "length"]
+    assert stops and stops[0].value >= 1
+
+
 # ---- errors --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path, body, param", [

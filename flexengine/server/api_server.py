@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flexengine.chat import read_chat_template
 from flexengine.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestGroup
 from flexengine.server.engine_process import EngineProcess, freeze_startup_heap, log_to_stderr
+from flexengine.server.metrics import CONTENT_TYPE
 from flexengine.server.protocol import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, random_id)
 from flexengine.server import responses
@@ -273,7 +274,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         text = engine.metrics.render(
             running=engine.num_in_flight - engine.num_waiting, waiting=engine.num_waiting,
             free_blocks=snap.num_free_blocks, total_blocks=snap.num_total_blocks)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     return app
 
