@@ -237,30 +237,26 @@ def test_unsupported_quant_type_is_named(tmp_path):
         load_model(bad)
 
 
-def test_unsupported_architecture_is_named(tmp_path):
-    path = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(path), "phi3")
+def bare_gguf(path, arch: str) -> str:
+    """A GGUF of one layer count and one embedding tensor, nothing else."""
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return str(path)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'.*llama"):
-        load_model(str(path))
+        load_model(bare_gguf(tmp_path / "phi.gguf", "phi3"))
 
 
 def test_missing_metadata_is_named(tmp_path):
-    path = tmp_path / "bare.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
     with pytest.raises(ValueError, match="GGUF metadata lacks llama.embedding_length, llama.feed_forward_length"):
-        load_model(str(path))
+        load_model(bare_gguf(tmp_path / "bare.gguf", "llama"))
 
 
 def test_several_gguf_files_in_a_directory(tmp_path):
