@@ -64,8 +64,10 @@ def cache_dir() -> str:
 DEFAULT_BLOCK_SIZE = 16
 # vLLM's default token budget per step for chunked prefill (its V1 default for online serving).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# Without a GPU to profile there is no memory to measure: the KV cache gets this many bytes.
-CPU_KV_CACHE_BYTES = 256 << 20
+# Without a GPU to profile there is no memory to measure: the KV cache gets this many bytes (enough for
+# SmolLM2-135M's whole 8,192-token context in float32, 377 MB; 256 MiB had capped it at 5,824, with a warning
+# on every run of the README's first command).
+CPU_KV_CACHE_BYTES = 512 << 20
 # On CPU, FlexAttention runs eagerly and materialises scores over the whole page pool, so the pool is
 # also capped in tokens (a larger pool costs time on every step, not only memory).
 CPU_MAX_KV_TOKENS = 8192
