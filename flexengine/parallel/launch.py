@@ -23,6 +23,7 @@ import weakref
 import torch
 
 from ..config import EngineConfig, env_dist_backend
+from ..models.loader import resolve_device
 from .state import SINGLE, TPGroup, building_for, destroy_tensor_parallel, init_tensor_parallel, tp_group
 
 logger = logging.getLogger(__name__)
@@ -31,16 +32,10 @@ START_TIMEOUT_S = 600.0   # a worker loads its shard (and on a GPU compiles) wit
 STOP_TIMEOUT_S = 10.0     # then it is killed
 
 
-def wanted_device(config: EngineConfig) -> str:
-    if config.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return config.device
-
-
 def check_tensor_parallel(config: EngineConfig, model_path: str) -> None:
     """Everything that can be wrong with a TP request, as a ValueError, before any process starts."""
     n = config.tensor_parallel_size
-    device = torch.device(wanted_device(config))
+    device = resolve_device(config.device)
     backend = env_dist_backend()
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError(f"FLEXENGINE_DIST_BACKEND=nccl needs CUDA, and this machine has none "
@@ -92,7 +87,7 @@ def free_port() -> int:
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
-    device = torch.device(wanted_device(config))
+    device = resolve_device(config.device)
     return f"cuda:{(device.index or 0) + rank}" if device.type == "cuda" else device.type
 
 

@@ -115,11 +115,7 @@ class VocabParallelEmbedding(nn.Embedding):
     past V are zero padding. The same weight serves as a tied lm_head (`gather_vocab`)."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
-        tp = tp_group()
-        self.vocab_size, self.tp_rank, self.tp_size, self.group = vocab_size, tp.rank, tp.size, tp.device
-        per_rank = -(-vocab_size // tp.size)
-        self.start = tp.rank * per_rank
-        self.num_real = max(0, min(per_rank, vocab_size - self.start))  # rows holding real tokens
+        per_rank = split_vocab(self, vocab_size)
         super().__init__(per_rank, hidden_size)
 
     def zero_padding(self) -> None:
@@ -143,17 +139,24 @@ class ParallelLMHead(nn.Linear):
     """The untied output projection, split over the vocabulary like VocabParallelEmbedding."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
-        tp = tp_group()
-        self.vocab_size, self.tp_rank, self.tp_size, self.group = vocab_size, tp.rank, tp.size, tp.device
-        per_rank = -(-vocab_size // tp.size)
-        self.start = tp.rank * per_rank
-        self.num_real = max(0, min(per_rank, vocab_size - self.start))
+        per_rank = split_vocab(self, vocab_size)
         super().__init__(hidden_size, per_rank, bias=False)
 
     zero_padding = VocabParallelEmbedding.zero_padding
 
     def checkpoint_sources(self) -> dict[str, tuple[tuple[int, ...], tuple]]:
         return vocab_sources(self)
+
+
+def split_vocab(m, vocab_size: int) -> int:
+    """Set m's vocabulary share of this rank (start, num_real: its rows holding real tokens) and group;
+    → rows per rank, ceil(V / size)."""
+    tp = tp_group()
+    m.vocab_size, m.tp_rank, m.tp_size, m.group = vocab_size, tp.rank, tp.size, tp.device
+    per_rank = -(-vocab_size // tp.size)
+    m.start = tp.rank * per_rank
+    m.num_real = max(0, min(per_rank, vocab_size - m.start))
+    return per_rank
 
 
 def vocab_sources(m) -> dict[str, tuple[tuple[int, ...], tuple]]:
