@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..layers.sampler import compute_logprobs
 from .sequence import Sequence
 
 ROWS_PER_SLICE = 256
@@ -56,8 +57,6 @@ def score_prompt_tokens(compute_logits, hidden: torch.Tensor, seqs: list[Sequenc
     targets_t = torch.tensor(targets, dtype=torch.long, device=device)
     parts = []
     for at in range(0, len(targets), ROWS_PER_SLICE):
-        logp = compute_logits(hidden[rows_t[at:at + ROWS_PER_SLICE]]).float().log_softmax(-1)
-        chosen = logp.gather(-1, targets_t[at:at + ROWS_PER_SLICE, None])[:, 0]
-        top = logp.topk(k, dim=-1)
-        parts.append((chosen, (logp >= chosen[:, None]).sum(-1), top.indices, top.values))
+        logits = compute_logits(hidden[rows_t[at:at + ROWS_PER_SLICE]])
+        parts.append(compute_logprobs(logits, targets_t[at:at + ROWS_PER_SLICE], k))  # the sampler's rule
     return PromptLogprobs(spans, *(torch.cat(p) for p in zip(*parts)))
