@@ -277,7 +277,7 @@ class ModelRunner:
             self._last_sampling = (list(seqs), tensors)
         if tensors.grammar_rows:  # their matchers moved on: new masks every step
             tensors = dataclasses.replace(tensors, token_mask=fill_token_mask(seqs, tensors.grammar_rows, self.device))
-        if not any(s.params is not None and s.params.adjusts_logits for s in seqs):
+        if not tensors.adjusts_logits:  # (known since the rows were set: no per-step scan)
             return tensors
         pending = None if prev is None else prev.feed(seqs, np.arange(len(seqs)), self.device)
         adjust = build_logits_adjust(seqs, self.vocab_size, self.device, pending)  # histories grow: every step
@@ -298,7 +298,8 @@ class ModelRunner:
             min_p=packed[:, 2] if any_min_p else None, top_k=packed[:, 3].long() if any_top_k else None,
             generators=tuple(s.generator for s in seqs), all_greedy=all(p.temperature == 0 for p in params),
             num_logprobs=max(asked) if asked else -1,
-            grammar_rows=tuple(i for i, s in enumerate(seqs) if s.grammar is not None))
+            grammar_rows=tuple(i for i, s in enumerate(seqs) if s.grammar is not None),
+            adjusts_logits=any(p.adjusts_logits for p in params))
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         with fused_elementwise(self.compiled):  # this engine's setting, whatever other engines use

@@ -27,6 +27,7 @@ class SamplingTensors:
     num_logprobs: int = -1                  # largest `logprobs` of the step's rows; -1: none asked
     adjust: "LogitsAdjust | None" = None    # penalties, biases, min_tokens bans; None: no row has any
     grammar_rows: tuple[int, ...] = ()      # host: rows whose sequence has a grammar (their mask is per step)
+    adjusts_logits: bool = False            # host: some row has penalties, biases or min_tokens (`adjust` per step)
     token_mask: "TokenMask | None" = None   # those rows' allowed tokens (engine/structured_outputs.py fills it)
 
 
