@@ -252,8 +252,7 @@ def load_gguf_weights(model: torch.nn.Module, reader, arch: str, config: dict) -
         if arch in GEMMA and name.endswith("norm.weight"):
             w = w - 1
         target = layout[name]
-        if getattr(target, "source", None) is not None:  # tensor parallelism: this rank's part
-            w = w[target.source]
+        assert target.source is None, "tensor parallelism refuses GGUF files (parallel/launch.py)"
         dest = params[target.param]
         dest = dest[target.rows] if target.rows is not None else dest
         dest.copy_(w.to(dtype))
