@@ -180,7 +180,7 @@ def print_tables(args, rows: list[dict], b1_rows: list[dict], nbytes: int) -> No
         r["output_tok_s"] = r["prompts"] * args.output_len / r["seconds"]
         engine = r["engine"].replace("|", "\\|")
         ttft = "—" if not r.get("ttft") else f"{r['ttft']['median']:.3f} s / {r['ttft']['p90']:.3f} s"
-        print(f"| {engine} | {r['prompts']} | {r['seconds']:.2f} | {r['output_tok_s']:.1f} | {ttft} |")
+        print(f"| {engine} | {r['prompts']} | {r['seconds']:.3g} | {r['output_tok_s']:.1f} | {ttft} |")
     if len(rows) == 2:
         tf, fe = rows
         counts = "" if tf["prompts"] == fe["prompts"] else \
