@@ -15,6 +15,17 @@ def env_attention_backend() -> str | None:
     return value or None
 
 
+def resolve_device(device):
+    """EngineConfig.device → a torch.device: "auto" (or None) is CUDA where available, else the CPU."""
+    import torch  # here: the API process imports this module without loading torch
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
+    return dev
+
+
 FLEX_PREFILL_ENV = "FLEXENGINE_FLEX_PREFILL"
 FLEX_PREFILL_KERNELS = ("auto", "triton", "flash")
 

@@ -23,7 +23,7 @@ from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
 from ..attention.metadata import AttentionMetadata, StepLayout, build_metadata, plan_layout, to_device
 from ..compile import fused_elementwise
-from ..config import EngineConfig
+from ..config import EngineConfig, resolve_device
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_blocks, text_config, wanted_max_model_len,
                         workspace_tokens_wanted)
@@ -61,15 +61,6 @@ class PackedStep:
     sample_seqs: list[Sequence]
     sample_rows: np.ndarray           # int64 [N]
     last_rows: np.ndarray             # int64 [rows]: each sequence's last token in the packed batch
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
-    return dev
 
 
 def wants_compile(device: torch.device, enforce_eager: bool) -> bool:

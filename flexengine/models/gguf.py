@@ -282,7 +282,8 @@ def load_gguf_tokenizer(file: str):
 
 def load_gguf(file: str, dtype="auto", device="cpu"):
     """(model, hf_config, tokenizer) from one GGUF file."""
-    from .loader import build_model, resolve_device
+    from ..config import resolve_device
+    from .loader import build_model
     from .presets import hf_config_of
     from .registry import get_model_class
 

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
+from ..config import resolve_device
 from ..layers.linear import MergedLinear
 from ..parallel.shard import shard_layout
 from ..tokenizer import load_tokenizer
@@ -197,12 +198,6 @@ def load_weights(model: torch.nn.Module, files: list[str], headers: dict | None 
                 dest = params[target.param]
                 dest = dest[target.rows] if target.rows is not None else dest
                 dest.copy_(f.get_tensor(name) if target.source is None else f.get_slice(name)[target.source])
-
-
-def resolve_device(device) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def load_model(model: str, dtype="auto", device="cpu", trust_remote_code: bool = False):

@@ -22,8 +22,7 @@ import weakref
 
 import torch
 
-from ..config import EngineConfig, env_dist_backend
-from ..models.loader import resolve_device
+from ..config import EngineConfig, env_dist_backend, resolve_device
 from .state import SINGLE, TPGroup, building_for, destroy_tensor_parallel, init_tensor_parallel, tp_group
 
 logger = logging.getLogger(__name__)

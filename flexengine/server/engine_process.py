@@ -144,7 +144,7 @@ def use_one_host_thread(device: str) -> None:
     (vllm/__init__.py); as there, an OMP_NUM_THREADS the user set wins. On CPU the model needs them.
     Before anything compiles: dynamo guards on the thread count, and changing it later recompiled
     every graph (and ran the GPU out of memory)."""
-    from flexengine.engine.model_runner import resolve_device  # here: the API process does not load torch
+    from flexengine.config import resolve_device
     import torch
     if resolve_device(device).type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
