@@ -73,8 +73,16 @@ def cache_dir() -> str:
 
 
 DEFAULT_BLOCK_SIZE = 16
-# vLLM's default token budget per step for chunked prefill (its V1 default for online serving).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def default_max_num_batched_tokens(device_type: str) -> int:
+    """The token budget of one step when none is asked for: 8192 on a GPU, 2048 on the CPU.
+
+    vLLM's defaults (EngineArgs.get_batch_defaults): 8192 for `LLM` on GPUs under 70 GiB and for its server on
+    larger ones (16384 for `LLM` there), 2048 for its server on smaller GPUs. On the H100 a 65,536-token prompt
+    prefilled in 0.88 s at 8192 against 1.14 s at 2048 (fewer steps, each chunk's prefix read fewer times;
+    docs/benchmarks.md, session 11). On the CPU a step's time grows with its tokens, and decodes wait for it."""
+    return 8192 if device_type == "cuda" else 2048
 # Without a GPU to profile there is no memory to measure: the KV cache gets this many bytes (enough for
 # SmolLM2-135M's whole 8,192-token context in float32, 377 MB; 256 MiB had capped it at 5,824, with a warning
 # on every run of the README's first command).
@@ -103,7 +111,7 @@ class EngineConfig:
     # an explicit value the cache cannot hold is a ValueError naming the blocks needed.
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_batched_tokens: int | None = None  # None → default_max_num_batched_tokens(the device)
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None → FLEXENGINE_ATTENTION_BACKEND → auto
     enforce_eager: bool = False
@@ -131,9 +139,9 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
-                     "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size"):
             positive(name)
+        positive("max_num_batched_tokens", allow_none=True)
         positive("num_kv_blocks", allow_none=True)
         positive("max_model_len", allow_none=True)
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):

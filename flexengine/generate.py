@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS
+from .config import DEFAULT_BLOCK_SIZE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "holds when that is less)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pages (default: sized from memory)")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV cache page")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                        help="token budget of one engine step (chunked prefill)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one engine step (chunked prefill; default 8192 on a GPU, 2048 on the CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights, activations and KV cache")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

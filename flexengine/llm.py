@@ -9,7 +9,7 @@ import os
 from tqdm.auto import tqdm
 
 from .chat import chat_prompt_ids, conversations
-from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from .config import DEFAULT_BLOCK_SIZE, EngineConfig
 from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -19,7 +19,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype="auto", device: str = "auto",
                  block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, enable_prefix_caching: bool = True,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  attention_backend: str | None = None, enforce_eager: bool = False, tensor_parallel_size: int = 1,
                  seed: int = 0,
                  mask_mod=None, score_mod=None, num_scheduler_steps: int = 1, async_scheduling: bool = False):
@@ -32,6 +32,7 @@ class LLM:
             mask_mod=mask_mod, score_mod=score_mod, num_scheduler_steps=num_scheduler_steps,
             async_scheduling=async_scheduling)
         self.llm_engine = LLMEngine(self.config)
+        self.config = self.llm_engine.config  # with the defaults that depend on the device filled in
         self._ids = itertools.count()
 
     def get_tokenizer(self):

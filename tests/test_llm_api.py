@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import flexengine
 from flexengine import LLM, CompletionOutput, RequestOutput, SamplingParams
-from flexengine.config import EngineConfig
+from flexengine.config import EngineConfig, default_max_num_batched_tokens
 from test_engine import VOCAB, checkpoint, hf_greedy, prompts_of
 
 
@@ -148,8 +148,12 @@ def test_bad_engine_config(kwargs, message):
 def test_engine_config_defaults():
     c = EngineConfig()
     assert (c.block_size, c.max_num_seqs, c.max_num_batched_tokens, c.enable_prefix_caching, c.seed) == \
-        (16, 256, 2048, True, 0)
-    assert LLM(num_kv_blocks=8, mask_mod="causal", score_mod=None).config.mask_mod == "causal"
+        (16, 256, None, True, 0)
+    llm = LLM(num_kv_blocks=8, mask_mod="causal", score_mod=None)
+    assert llm.config.mask_mod == "causal"
+    assert llm.config.max_num_batched_tokens == llm.llm_engine.scheduler.max_num_batched_tokens == 2048  # the CPU's
+    assert default_max_num_batched_tokens("cuda") == 8192  # vLLM's LLM default below 70 GiB, its server's above
+    assert LLM(num_kv_blocks=8, max_num_batched_tokens=64).llm_engine.scheduler.max_num_batched_tokens == 64
 
 
 def test_default_max_model_len_fits_the_cache():

@@ -10,13 +10,14 @@ ValueError and leaves the engine exactly as it was.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import time
 
 from ..attention.metadata import Q_TILE, workspace_align
-from ..config import EngineConfig
+from ..config import EngineConfig, default_max_num_batched_tokens, resolve_device
 from ..masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
 from ..outputs import CompletionDelta, RequestOutput
 from ..sampling_params import SamplingParams
@@ -65,6 +66,9 @@ def resolve_async_scheduling(setting: bool | None, device_type: str, num_schedul
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.max_num_batched_tokens is None:
+            budget = default_max_num_batched_tokens(resolve_device(config.device).type)
+            config = dataclasses.replace(config, max_num_batched_tokens=budget)
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.tokenizer

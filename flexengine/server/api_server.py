@@ -311,7 +311,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cache holds when that is less)")
     engine.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step (default 256)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="token budget of one engine step, chunked prefill (default 2048)")
+                        help="token budget of one engine step, chunked prefill (default 8192 on a GPU, 2048 on the CPU)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of GPU memory for weights, activations and KV cache (default 0.9)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

@@ -21,9 +21,10 @@ try:  # torch >= 2.9 asks for the log-sum-exp through return_aux; return_lse is 
 except ImportError:
     LSE_KWARGS = {"return_lse": True}
 
-from ...compile import configure_dynamo, fused
+from ...compile import configure_dynamo
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
 from ..metadata import (KV_TILE, Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists)
+from ..split_kv import merge_splits_into
 from ..workspace import gather_pages
 from .prefill_kernel import PrefillKernel
 
@@ -177,16 +178,6 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
             BLOCK_SIZE=(Q_TILE, KV_TILE), mask_mod=paged_mask(meta, mask_mod, False, listed_only, workspace=True),
             seq_lengths=(Tp * Q_TILE, kv_len), compute_q_blocks=False)
     return dec, pre
-
-
-@fused
-def merge_splits(out_BSHD: torch.Tensor, lse_BSH: torch.Tensor) -> torch.Tensor:
-    """Combine split-KV partial results by log-sum-exp; an empty split has lse -inf and weight 0."""
-    m = lse_BSH.amax(1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse_BSH - m)
-    total = w.sum(1).clamp_min(torch.finfo(w.dtype).tiny)
-    return (w[..., None] * out_BSHD.float()).sum(1) / total[..., None]
 
 
 @functools.cache
@@ -381,10 +372,10 @@ class FlexBackend:
             S = lay.decode_splits
             if S == 1:
                 od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa, **opts).squeeze(2)
-            else:
+                out.index_copy_(0, meta.decode_dst, od)
+            else:  # the splits' merge and the scatter to the token rows: one launch on CUDA
                 od, lse = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
                                **opts, **LSE_KWARGS)
                 lse = getattr(lse, "lse", lse)
-                od = merge_splits(od.view(lay.num_decode, S, Hq, D), lse.view(lay.num_decode, S, Hq)).to(query.dtype)
-            out.index_copy_(0, meta.decode_dst, od)
+                merge_splits_into(out, meta.decode_dst, od[:, :, 0], lse[:, :, 0], S)
         return out[:T]

@@ -1,0 +1,64 @@
+"""Split-KV decode's merge: attention over a request's pages in slices, merged by log-sum-exp, equals attention over
+all of them (an independent reference: one softmax over the whole row), on CPU (torch) and on CUDA (Triton)."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from flexengine.attention.split_kv import merge_splits_into
+
+
+def slice_attention(q_BND, k_BLND, v_BLND, bounds):
+    """Per slice [lo, hi) of the keys: (softmax attention output, its natural log-sum-exp), float64;
+    an empty slice gives zeros and lse -inf, as flex does."""
+    outs, lses = [], []
+    for lo, hi in bounds:
+        s = torch.einsum("bnd,blnd->bnl", q_BND, k_BLND[:, lo:hi])
+        if hi > lo:
+            lses.append(torch.logsumexp(s, -1))
+            outs.append(torch.einsum("bnl,blnd->bnd", s.softmax(-1), v_BLND[:, lo:hi]))
+        else:
+            lses.append(torch.full(s.shape[:2], float("-inf"), dtype=s.dtype))
+            outs.append(torch.zeros_like(q_BND))
+    return torch.stack(outs, 1), torch.stack(lses, 1)  # [B, S, N, D], [B, S, N]
+
+
+def check_merge(device, B, S, N, D, L, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, N, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, L, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    cuts = sorted(torch.randint(0, L + 1, (S - 1,), generator=g).tolist())  # slices may be empty
+    bounds = list(zip([0] + cuts, cuts + [L]))
+    part, lse = slice_attention(q, k, v, bounds)
+    whole = torch.einsum("bnl,blnd->bnd", torch.einsum("bnd,blnd->bnl", q, k).softmax(-1), v)
+    T = B + 3
+    dst = torch.randperm(T, generator=g)[:B]
+    out = torch.full((T, N, D), float("nan"), dtype=dtype, device=device)
+    merge_splits_into(out, dst.to(device), part.reshape(B * S, N, D).to(device, dtype), lse.reshape(B * S, N).to(device, torch.float32), S)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[dst.to(device)].double().cpu(), whole, atol=tol, rtol=tol)
+    untouched = torch.ones(T, dtype=torch.bool)
+    untouched[dst] = False
+    assert out[untouched.to(device)].isnan().all()  # only the requests' rows are written
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 4), S=st.integers(1, 9), N=st.integers(1, 5), D=st.sampled_from([8, 24]), L=st.integers(1, 40),
+       seed=st.integers(0, 2 ** 16))
+def test_merge_equals_attention_over_all_keys(B, S, N, D, L, seed):
+    check_merge("cpu", B, S, N, D, L, seed)
+
+
+def test_all_splits_empty_gives_zeros():
+    out = torch.full((2, 1, 4), float("nan"))
+    part, lse = torch.zeros(3, 1, 4), torch.full((3, 1), float("-inf"))
+    merge_splits_into(out, torch.tensor([1]), part, lse, 3)
+    assert out[1].eq(0).all() and out[0].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("S,D,dtype", [(32, 128, torch.bfloat16), (5, 80, torch.float32), (16, 64, torch.bfloat16),
+                                       (3, 72, torch.float16)])
+def test_triton_merge_equals_attention_over_all_keys(S, D, dtype):
+    for seed in range(4):
+        check_merge("cuda", 3, S, 8, D, 300, seed, dtype)
