@@ -11,33 +11,14 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flexengine.attention.backends.flex import FlexBackend
-from flexengine.attention.metadata import build_metadata, choose_decode_splits, plan_layout
-from flexengine.benchmarks.attention import paged_step, parse_mods
-from flexengine.compile import fused_elementwise
+from flexengine.benchmarks.attention import captured_flex_call, parse_mods
 
 CASES = {"prefill8x1024": ([1024] * 8, [1024] * 8), "prefill2x4096": ([4096] * 2, [4096] * 2),
          "prefill32x512": ([512] * 32, [512] * 32), "decode1x4096": ([4096], [1]), "decode8x8192": ([8192] * 8, [1] * 8)}
 
 
 def breakdown(seq_lens, query_lens, page, mods, Hq=32, Hkv=8, D=128, reps=20):
-    device = torch.device("cuda")
-    q, kc, vc, bt = paged_step(seq_lens, query_lens, page, Hq, Hkv, D, device)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    backend = FlexBackend(compile=True)
-    splits = choose_decode_splits(sum(n == 1 for n in query_lens), Hkv, device)
-    meta = build_metadata(bt, sl, torch.empty(0, dtype=torch.long, device=device),
-                          plan_layout(query_lens, seq_lens, decode_splits=splits, block_size=page), page, kc.shape[0])
-    meta.backend = backend
-    backend.prepare(meta, [mods])
-    def run():  # the split-KV merge compiled, as the CUDA engine runs it
-        with fused_elementwise(True):
-            return backend.forward(q, kc, vc, meta, *mods, D ** -0.5)
-
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _ = captured_flex_call(seq_lens, query_lens, page, Hq, Hkv, D, torch.device("cuda"), mods)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()

@@ -90,7 +90,9 @@ def paged_step(seq_lens, query_lens, page, Hq, Hkv, D, device, spare=64):
     return q, kc, vc, torch.tensor(tables, dtype=torch.int32, device=device)
 
 
-def flex_times(seq_lens, query_lens, page, Hq, Hkv, D, device, mods):
+def captured_flex_call(seq_lens, query_lens, page, Hq, Hkv, D, device, mods):
+    """(a CUDA graph of one paged flex call over a shuffled pool, the step's metadata build): the engine replays
+    attention inside CUDA graphs, so the kernels are timed, not Python dispatch."""
     q, kc, vc, bt = paged_step(seq_lens, query_lens, page, Hq, Hkv, D, device)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     backend = FlexBackend(compile=True)
@@ -111,10 +113,14 @@ def flex_times(seq_lens, query_lens, page, Hq, Hkv, D, device, mods):
             return backend.forward(q, kc, vc, meta, *mods, D ** -0.5)
 
     run()
-    # The engine replays attention inside CUDA graphs, so time the kernels, not Python dispatch.
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
+    return graph, build
+
+
+def flex_times(seq_lens, query_lens, page, Hq, Hkv, D, device, mods):
+    graph, build = captured_flex_call(seq_lens, query_lens, page, Hq, Hkv, D, device, mods)
     return bench(graph.replay), host_time(build)
 
 
