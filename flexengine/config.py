@@ -83,6 +83,8 @@ def default_max_num_batched_tokens(device_type: str) -> int:
     prefilled in 0.88 s at 8192 against 1.14 s at 2048 (fewer steps, each chunk's prefix read fewer times;
     docs/benchmarks.md, session 11). On the CPU a step's time grows with its tokens, and decodes wait for it."""
     return 8192 if device_type == "cuda" else 2048
+
+
 # Without a GPU to profile there is no memory to measure: the KV cache gets this many bytes (enough for
 # SmolLM2-135M's whole 8,192-token context in float32, 377 MB; 256 MiB had capped it at 5,824, with a warning
 # on every run of the README's first command).
