@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pages (default: sized from memory)")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV cache page")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="token budget of one engine step (chunked prefill; default 8192 on a GPU, 2048 on the CPU)")
+                        help="token budget of one engine step, chunked prefill (default 8192 on a GPU, 2048 on the "
+                             "CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights, activations and KV cache")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

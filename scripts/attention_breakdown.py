@@ -14,7 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 from flexengine.benchmarks.attention import captured_flex_call, parse_mods
 
 CASES = {"prefill8x1024": ([1024] * 8, [1024] * 8), "prefill2x4096": ([4096] * 2, [4096] * 2),
-         "prefill32x512": ([512] * 32, [512] * 32), "decode1x4096": ([4096], [1]), "decode8x8192": ([8192] * 8, [1] * 8)}
+         "prefill32x512": ([512] * 32, [512] * 32), "decode1x4096": ([4096], [1]),
+         "decode8x8192": ([8192] * 8, [1] * 8)}
 
 
 def breakdown(seq_lens, query_lens, page, mods, Hq=32, Hkv=8, D=128, reps=20):

@@ -33,7 +33,8 @@ def check_merge(device, B, S, N, D, L, seed, dtype=torch.float32):
     T = B + 3
     dst = torch.randperm(T, generator=g)[:B]
     out = torch.full((T, N, D), float("nan"), dtype=dtype, device=device)
-    merge_splits_into(out, dst.to(device), part.reshape(B * S, N, D).to(device, dtype), lse.reshape(B * S, N).to(device, torch.float32), S)
+    merge_splits_into(out, dst.to(device), part.reshape(B * S, N, D).to(device, dtype),
+                      lse.reshape(B * S, N).to(device, torch.float32), S)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[dst.to(device)].double().cpu(), whole, atol=tol, rtol=tol)
     untouched = torch.ones(T, dtype=torch.bool)

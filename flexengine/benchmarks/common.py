@@ -20,7 +20,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, no compiled layers (FlexAttention stays compiled on a GPU)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default 8192 on a GPU, 2048 on the CPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default 8192 on a GPU, 2048 on the CPU)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest request in tokens, prompt and output (default: the model's context, or what the "
                         "KV cache holds when that is less)")
