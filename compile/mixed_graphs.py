@@ -5,8 +5,8 @@ of host time for 6 ms of GPU work when one 256-token prompt joins 32 decoding re
 (docs/benchmarks.md). Every decoding request waits for that step, so it set the server's TPOT.
 
 A graph's shapes are fixed by the step's layout buckets (decode rows, their split-KV count, prefill
-tiles): the tokens are padded to `num_decode + num_tiles * Q_TILE`, padded tokens write their K/V to
-the scratch slot, and the page lists and BlockMasks are built on the device inside the graph from
+tiles and segments): the tokens are padded to `num_tiles * Q_TILE` (pack_step already does), padded
+tokens write their K/V to the scratch slot, and the page lists and BlockMasks are built on the device inside the graph from
 static buffers, as in the decode graphs. The host packs the step into one array and copies it in, with
 the block tables beside it.
 The engine captures every key at start-up (compile/warmup.capture_mixed_graphs); a key met later
@@ -48,27 +48,27 @@ def graph_workspace_pages(num_tiles: int, block_size: int, capacity_pages: int |
 class MixedKey:
     num_decode: int  # decode requests, padded to a decode bucket
     splits: int      # split-KV rows per decode request
-    num_tiles: int   # prefill tiles, padded to a power of two
+    num_tiles: int   # prefill tiles, padded to a bucket
+    num_segments: int  # prefill segments, padded to metadata.segment_capacity
     workspace_pages: int  # pages gathered into the prefill workspace (graph_workspace_pages of num_tiles)
 
     @classmethod
     def of(cls, layout: StepLayout) -> "MixedKey":
-        return cls(layout.num_decode, layout.decode_splits, layout.num_tiles, len(layout.ws_req))
+        return cls(layout.num_decode, layout.decode_splits, layout.num_tiles, layout.num_segments, len(layout.ws_req))
 
     @property
     def num_tokens(self) -> int:
-        """Token capacity: one per decode request plus whole tiles."""
-        return self.num_decode + self.num_tiles * Q_TILE
+        """Token capacity: whole tiles, decode tokens included."""
+        return self.num_tiles * Q_TILE
 
     def field_sizes(self) -> dict[str, int]:
         """Length of each layout array for this key (metadata.plan_layout's padding)."""
-        rows, tiles = self.num_decode * self.splits, self.num_decode * self.splits + self.num_tiles
-        prefill = self.num_tiles * Q_TILE
-        return {"decode_req": rows, "tile_req": tiles, "tile_q_lo": tiles, "tile_q_hi": tiles, "tile_valid": tiles,
-                "tile_split": tiles, "prefill_req": prefill, "prefill_pos": prefill, "prefill_src": prefill,
-                "token_row": self.num_tokens + 1, "decode_src": rows, "decode_dst": self.num_decode,
-                "ws_req": self.workspace_pages, "ws_page": self.workspace_pages, "prefill_kv0": prefill,
-                "tile_kv0": tiles}
+        rows = self.num_decode * self.splits
+        spans, prefill = rows + self.num_segments, self.num_tokens
+        return {"decode_req": rows, "span_req": spans, "span_q_lo": spans, "span_q_hi": spans, "span_valid": spans,
+                "span_split": spans, "span_kv0": spans, "seg_tile": self.num_segments, "tile_single": self.num_tiles,
+                "prefill_req": prefill, "prefill_pos": prefill, "prefill_kv0": prefill, "decode_src": rows,
+                "decode_dst": self.num_decode, "ws_req": self.workspace_pages, "ws_page": self.workspace_pages}
 
 
 class MixedBuffers:
@@ -81,7 +81,7 @@ class MixedBuffers:
         self.views = dict(zip(self.sizes, self.packed.split(list(self.sizes.values()))))
         self.device = device  # the engine's, so the copies share its pinned staging ring
         # The backend reads only the layout's counts; host lists that would be stale are emptied.
-        self.layout = dataclasses.replace(layout, query_lens=[], seq_lens=[], num_tokens=T, padded_tokens=True)
+        self.layout = dataclasses.replace(layout, query_lens=[], seq_lens=[], num_tokens=T)
 
     def fill(self, ids, positions, slots, seq_lens, layout: StepLayout, scratch_slot: int) -> None:
         T, n = self.sizes["ids"], len(ids)
@@ -91,8 +91,6 @@ class MixedBuffers:
                  np.full(pad, scratch_slot, np.int64), seq_lens]
         for name in LAYOUT_FIELDS:
             array = getattr(layout, name)
-            if name == "token_row":  # per real token (and the spill row); padded tokens read row 0
-                array = np.concatenate([array[:-1], np.zeros(pad, np.int64), array[-1:]])
             assert len(array) == self.sizes[name], (name, len(array), self.sizes[name])
             parts.append(array)
         copy_into(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), self.packed, self.device)

@@ -1,8 +1,9 @@
 """Start-up warm-up: compile every step shape before the first request.
 
-FlexAttention is compiled with static shapes and the engine pads prefill tiles to powers of two and
-decode rows to the decode buckets. Prefill bucket b is warmed by one step of b two-token requests,
-one tile each; decode bucket b by one step of b one-token requests. Dummy requests write pages no
+FlexAttention is compiled with static shapes and the engine pads its token buffer to whole prefill
+tiles (policy.tile_bucket) and decode rows to the decode buckets. Prefill bucket b is warmed by one step
+of b * 128 prompt tokens, in as few prompts as max_model_len allows; decode bucket b by one step of b
+one-token requests. Dummy requests write pages no
 request owns yet (sharing them when there are more dummies than pages); their per-request parameters
 are zeros of the dtypes the mods declare, so requests meet the kernels compiled here. With CUDA graphs
 the capture compiles the decode buckets instead.
@@ -13,18 +14,32 @@ import time
 
 import torch
 
-from .policy import bucket, decode_buckets, tile_bucket
+from .policy import bucket, decode_buckets, tile_bucket, tile_buckets
 
 
-def max_prefill_tiles(max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """Most tiles one step can need: a tile per prefilling request plus one per 128 tokens."""
-    return tile_bucket(min(max_num_seqs, max_num_batched_tokens // 2) + -(-max_num_batched_tokens // 128))
+def max_prefill_tiles(max_num_batched_tokens: int) -> int:
+    """Most prefill tiles one step can have: its tokens (at most the budget) in whole tiles, bucketed."""
+    from ..attention.metadata import Q_TILE
+    return tile_bucket(-(-max_num_batched_tokens // Q_TILE))
 
 
 def prefill_buckets(runner) -> list[int]:
-    cfg = runner.config
-    top = max_prefill_tiles(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-    return [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    return tile_buckets(max_prefill_tiles(runner.config.max_num_batched_tokens))
+
+
+def prompt_lengths(runner, tiles: int, beside: int = 0) -> list[int] | None:
+    """Dummy prompts whose tokens, with `beside` decode tokens, fill a step of `tiles` (a bucket) as far
+    as max_model_len and max_num_seqs allow, in as few prompts as possible; None when no step of
+    those requests pads to that bucket."""
+    from ..attention.metadata import Q_TILE
+    longest, room = max(2, runner.max_model_len), runner.config.max_num_seqs - beside
+    tokens = min(tiles * Q_TILE - beside, longest * room)
+    if room < 1 or tokens < 2 or tile_bucket(-(-(tokens + beside) // Q_TILE)) != tiles:
+        return None
+    lengths = [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
+    if lengths[-1] < 2:  # a one-token prompt would be a decode row
+        lengths[-1], lengths[-2] = 2, lengths[-2] - 1
+    return lengths
 
 
 def shape_classes(runner) -> int:
@@ -49,10 +64,13 @@ def dummy_seqs(runner, num_seqs: int, tokens_each: int, cached: int = 0, first: 
 
 def dummy_step(runner, num_seqs: int, tokens_each: int, cached: int = 0) -> None:
     """One step of `num_seqs` requests computing `tokens_each` tokens after `cached` ones."""
+    run_dummy(runner, dummy_seqs(runner, num_seqs, tokens_each, cached), [tokens_each] * num_seqs)
+
+
+def run_dummy(runner, seqs: list, num_new_tokens: list[int]) -> None:
     from ..engine.scheduler import ScheduledBatch
     with torch.inference_mode():
-        batch = ScheduledBatch(dummy_seqs(runner, num_seqs, tokens_each, cached), [tokens_each] * num_seqs)
-        inputs = runner.prepare_step(batch, sampling=False)
+        inputs = runner.prepare_step(ScheduledBatch(seqs, num_new_tokens), sampling=False)
         runner.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
 
 
@@ -65,17 +83,15 @@ def capture_mixed_graphs(runner) -> int:
     from ..engine.scheduler import ScheduledBatch
     graphs, cfg = runner.mixed_graphs, runner.config
     buckets = decode_buckets(cfg.max_num_seqs)
-    top = min(graphs.max_tiles, max_prefill_tiles(cfg.max_num_batched_tokens, cfg.max_num_seqs))
-    per_prompt = runner.max_model_len // Q_TILE  # whole tiles one dummy prompt can hold
+    top = min(graphs.max_tiles, max_prefill_tiles(cfg.max_num_batched_tokens))
     before = len(graphs.graphs)
     with torch.inference_mode():
-        for tiles in [1 << i for i in range(top.bit_length())]:
-            need = tiles // 2 + 1 if tiles > 1 else 1  # fewest tiles that pad to this bucket
-            # as few prompts as possible, so that the most decode rows fit beside them
-            lengths = [min(per_prompt, need - k) * Q_TILE for k in range(0, need, per_prompt)] if per_prompt else [2] * need
+        for tiles in tile_buckets(top):
             for rows in [0] + buckets:
-                num_decode = min(rows, cfg.max_num_seqs - len(lengths))  # every request needs a table row
-                if num_decode < 0 or (rows and bucket(num_decode, buckets) != rows):
+                # the bucket's decode rows (as few real ones as pad to it) and prompts filling its tiles
+                num_decode = next((n for n in range(1, rows + 1) if bucket(n, buckets) == rows), 0) if rows else 0
+                lengths = prompt_lengths(runner, tiles, beside=num_decode)
+                if lengths is None:
                     continue
                 seqs = dummy_seqs(runner, num_decode, 1, cached=1)
                 for n in lengths:
@@ -93,9 +109,14 @@ def capture_mixed_graphs(runner) -> int:
 
 def warm_up_steps(runner, decode: bool = False) -> float:
     """Run one dummy step per prefill bucket (and per decode bucket if `decode`); returns the seconds."""
+    from ..attention.metadata import Q_TILE
     start = time.perf_counter()
     for b in prefill_buckets(runner):
-        dummy_step(runner, b, 2)
+        seqs, lengths = [], prompt_lengths(runner, b)
+        for n in lengths or []:  # (None: no step can pad to this bucket)
+            seqs += dummy_seqs(runner, 1, n, first=len(seqs))
+        if seqs:
+            run_dummy(runner, seqs, lengths)
     if decode:
         for b in decode_buckets(runner.config.max_num_seqs):
             dummy_step(runner, b, 1)

@@ -276,8 +276,8 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines):
     graphs.buffers.clear()  # on CPU nothing is captured at start-up; the keys are what counts
     capture_mixed_graphs(runner)
     keys = set(graphs.buffers)
-    # 16 tiles need 9 or more prompts (2 tokens each here: max_model_len is under a tile): 7 rows left
-    expected = {(d, t) for d in (0, 1, 2, 4, 8, 16) for t in (1, 2, 4, 8)} | {(d, 16) for d in (0, 1, 2, 4, 8)}
+    # a step of 256 tokens is at most 2 tiles of the packed token buffer, whatever its requests
+    expected = {(d, t) for d in (0, 1, 2, 4, 8, 16) for t in (1, 2)}
     assert {(k.num_decode, k.num_tiles) for k in keys} == expected
     met = []
     run = graphs.run
@@ -285,4 +285,4 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines):
     prompts, params = mixed_traffic(n=40, max_len=90, max_tokens=20, temperature=0)
     llm.generate(prompts, params, use_tqdm=False)
     assert set(met) <= keys, "traffic met a layout start-up did not capture"
-    assert len(set(met)) >= 5  # several decode buckets beside prompts
+    assert len(set(met)) >= 4  # several decode buckets beside prompts

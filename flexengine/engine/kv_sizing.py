@@ -34,14 +34,13 @@ def wanted_max_model_len(config: EngineConfig, hf_config) -> int:
 
 def workspace_tokens_wanted(config: EngineConfig, hf_config) -> int:
     """The prefill workspace (attention/metadata.py): one request of the longest context and a full step
-    beside it, and at least a tile per prefill tile a step can have (a step of whole short prompts
-    needs no more). Reserved before the pool is sized, so for the wanted length, not the one the pool
-    allows."""
-    from ..attention.metadata import KV_TILE, workspace_align
-    from ..compile.warmup import max_prefill_tiles
-    a = workspace_align(config.block_size)
-    contexts = -(-wanted_max_model_len(config, hf_config) // a) * a + -(-config.max_num_batched_tokens // a) * a
-    return max(contexts, KV_TILE * max_prefill_tiles(config.max_num_batched_tokens, config.max_num_seqs))
+    beside it, and at least what a step of whole short prompts takes (each request's span rounded up
+    to the alignment). Reserved before the pool is sized, so for the wanted length, not the one the
+    pool allows."""
+    from ..attention.metadata import workspace_align
+    a, budget = workspace_align(config.block_size), config.max_num_batched_tokens
+    contexts = -(-wanted_max_model_len(config, hf_config) // a) * a + -(-budget // a) * a
+    return max(contexts, a * (min(config.max_num_seqs, budget // 2) + -(-budget // a)))
 
 
 def choose_max_model_len(config: EngineConfig, hf_config, num_blocks: int) -> int:

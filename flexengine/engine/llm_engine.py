@@ -84,8 +84,7 @@ class LLMEngine:
                                    whole_prompts=self.look_ahead is not None, num_scheduler_steps=steps,
                                    max_model_len=self.max_model_len, chunk_align=Q_TILE,
                                    workspace_tokens=self.runner.workspace_tokens,
-                                   workspace_align=workspace_align(config.block_size),
-                                   max_prefill_tiles=self.runner.graph_prefill_tiles())
+                                   workspace_align=workspace_align(config.block_size))
         self.requests: dict[str, Request] = {}
         self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.runner.device.type, steps)
         self.in_flight: InFlightStep | None = None  # async scheduling: launched, not yet read back

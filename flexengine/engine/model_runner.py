@@ -187,6 +187,11 @@ class ModelRunner:
 
         lens = seq_lens.tolist()
         layout = plan_layout(batch.num_new_tokens, lens, **self.layout_padding(batch.num_new_tokens, lens))
+        pad = layout.token_capacity - T  # the prefill call reads the token buffer as whole tiles
+        if pad:  # padding tokens: id 0 at position 0, their K/V to the scratch page past the pool
+            scratch = (self.layers[0].k_cache.shape[0] - 1) * P
+            ids, positions = np.pad(ids, (0, pad)), np.pad(positions, (0, pad))
+            slots = np.pad(slots, (0, pad), constant_values=scratch)
         padded_lens = np.zeros(rows, dtype=np.int32)
         padded_lens[:R] = seq_lens
         # A sequence gets a token when this step computes its last known token (its prompt is done).
@@ -217,12 +222,12 @@ class ModelRunner:
         count the decode graphs use), so no step meets a shape the warm-up did not compile."""
         if not self.static_shapes:
             return {}
-        from ..attention.metadata import Q_TILE, choose_decode_splits
+        from ..attention.metadata import Q_TILE, choose_decode_splits, segment_capacity
         from ..compile import bucket, decode_buckets, tile_bucket
         num_decode = sum(n == 1 for n in query_lens)
-        tiles = tile_bucket(sum(-(-n // Q_TILE) for n in query_lens if n > 1))
+        tiles = tile_bucket(-(-sum(query_lens) // Q_TILE)) if any(n > 1 for n in query_lens) else 0
         rows = bucket(num_decode, decode_buckets(self.config.max_num_seqs)) if num_decode else 0
-        return dict(pad_decode_to=rows, pad_tiles_to=tiles,
+        return dict(pad_decode_to=rows, pad_tiles_to=tiles, pad_segments_to=segment_capacity(tiles, self.config.max_num_seqs),
                     decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device),
                     block_size=self.block_size, pad_workspace_to=self.workspace_bucket(query_lens, seq_lens, tiles))
 
@@ -235,15 +240,6 @@ class ModelRunner:
         assert need <= self.workspace_tokens, (need, self.workspace_tokens)  # the scheduler's promise
         graph = graph_workspace_pages(tiles, self.block_size, self.backend.workspace_pages)
         return graph if 0 < tiles <= MAX_GRAPH_TILES and need <= graph * self.block_size else 0
-
-    def graph_prefill_tiles(self) -> int | None:
-        """Query tiles the scheduler keeps a step's prefill chunks within: the largest mixed CUDA graph's,
-        when a full step of the token budget fits one (else a limit would only shrink steps)."""
-        from ..attention.metadata import Q_TILE
-        g = self.mixed_graphs
-        if g is None or not g.use_graphs or -(-self.config.max_num_batched_tokens // Q_TILE) > g.max_tiles:
-            return None
-        return g.max_tiles
 
     def attention_params(self, seqs: list[Sequence], rows: int = 0) -> dict[str, torch.Tensor]:
         """Per-request mod parameters (SamplingParams.attention_params) as [max(R, rows)] tensors.

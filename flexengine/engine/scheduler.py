@@ -7,11 +7,11 @@ Each step fills a budget of `max_num_batched_tokens` tokens and `max_num_seqs` s
 2. then waiting sequences in arrival order (FCFS), each with as much of its prompt as the budget
    allows, after taking whatever the prefix cache already holds. A waiting sequence that does not fit
    stops admission (FCFS: nothing behind it overtakes it).
-Prefill and decode tokens share one step. A chunk that the budget cuts short ends on a multiple of
-`chunk_align` tokens (the attention's query tile) where the budget holds one: then only a prompt's
-last tile is partial. With `max_prefill_tiles` (the largest mixed CUDA graph), a step's prefill chunks
-also stop at that many query tiles: two prompts' partial tiles beside a cut chunk made 17 of 16, and
-such a step ran without a graph (54 of 65 prompt steps of 64 x 2048-token prompts did).
+Prefill and decode tokens share one step, prefill chunks first in the batch. A chunk that the budget
+cuts short ends on a multiple of `chunk_align` tokens (the attention's query tile) where the budget
+holds one. Both keep the prefill call's query tiles (the packed token buffer cut every 128 tokens,
+attention/metadata.py) to one request each wherever prompts are whole tiles: such a tile skips the
+mask on its full KV blocks, a tile shared by two requests evaluates it everywhere.
 """
 from __future__ import annotations
 
@@ -49,12 +49,17 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def put_prefills_first(self) -> None:
+        """Reorder: chunks of more than one token first (each group keeps its order)."""
+        order = sorted(range(len(self.seqs)), key=lambda i: self.num_new_tokens[i] == 1)
+        self.seqs = [self.seqs[i] for i in order]
+        self.num_new_tokens = [self.num_new_tokens[i] for i in order]
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  whole_prompts: bool = False, num_scheduler_steps: int = 1, max_model_len: int | None = None,
-                 chunk_align: int = 1, workspace_tokens: int | None = None, workspace_align: int = 1,
-                 max_prefill_tiles: int | None = None):
+                 chunk_align: int = 1, workspace_tokens: int | None = None, workspace_align: int = 1):
         self.block_manager = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # A look-ahead mask (bidirectional, prefix-LM) lets prompt tokens see later prompt tokens, so a
@@ -65,7 +70,6 @@ class Scheduler:
         # Compiled flex prefills from a workspace of this many tokens (attention/metadata.py): the
         # contexts of a step's prefilling requests, each rounded up to workspace_align, must fit it.
         self.workspace_tokens, self.workspace_align = workspace_tokens, workspace_align
-        self.max_prefill_tiles = max_prefill_tiles  # query tiles of chunk_align tokens; None: no limit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
@@ -88,7 +92,6 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         self._workspace_left = self.workspace_tokens
-        self._tiles_left = self.max_prefill_tiles
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
@@ -117,6 +120,7 @@ class Scheduler:
                 budget -= n
         if not batch.preempted:  # after preempting, let the freed pages go to the running ones first
             budget = self._admit_waiting(batch, budget)
+        batch.put_prefills_first()
         return batch
 
     def schedule_multi_step(self) -> ScheduledBatch | None:
@@ -149,17 +153,13 @@ class Scheduler:
 
     def chunk(self, remaining: int, budget: int) -> int:
         """Tokens to compute now of the `remaining` uncomputed ones: all if the budget allows, else the
-        budget cut down to whole multiples of chunk_align (the budget itself when it holds none); a
-        prefill chunk also within the step's query tiles left (0 when none is)."""
-        if remaining > 1 and self._tiles_left is not None:
-            budget = min(budget, self._tiles_left * self.chunk_align)
+        budget cut down to whole multiples of chunk_align (the budget itself when it holds none)."""
         if remaining <= budget:
             return remaining
         return budget - budget % self.chunk_align if budget >= self.chunk_align else budget
 
     def take_prefill_room(self, computed: int, n: int) -> bool:
-        """Whether a chunk of n tokens after `computed` fits the step's prefill workspace; then it and
-        the chunk's query tiles are taken."""
+        """Whether a chunk of n tokens after `computed` fits the step's prefill workspace; then it is taken."""
         if n == 1:
             return True  # decode rows read the pages directly
         if self.workspace_tokens is not None:
@@ -168,9 +168,6 @@ class Scheduler:
             if need > self._workspace_left:
                 return False
             self._workspace_left -= need
-        if self._tiles_left is not None:
-            self._tiles_left -= -(-n // self.chunk_align)
-            assert self._tiles_left >= 0, "chunk() keeps prefill chunks within the tiles left"
         return True
 
     def min_chunk(self, seq: Sequence, computed: int) -> int:

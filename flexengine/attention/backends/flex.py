@@ -23,7 +23,8 @@ except ImportError:
 
 from ...compile import configure_dynamo
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
-from ..metadata import (KV_TILE, Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists)
+from ..metadata import (DEAD_KV0, KV_TILE, Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists,
+                        workspace_lists)
 from ..split_kv import merge_splits_into
 from ..workspace import gather_pages
 from .prefill_kernel import PrefillKernel
@@ -42,16 +43,18 @@ def param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
 def _live_coords(meta: AttentionMetadata, decode: bool, req, q_pos, lkv):
     """The request and positions the user's mod sees (docs/attention.md): a request with tokens, positions
     in [0, seq_len). Flex also evaluates the mod on slots that are not tokens of the request (other
-    requests' pages, the tail of its last page, padding); the caller masks those afterwards, but a mod
-    indexing a captured tensor must never see them (an out-of-bounds read in a compiled kernel).
-    Prefill rows arrive valid (plan_layout gives padding rows a real request and position), so they
-    pay one `min` per element; a padded decode row of a CUDA graph (length 0) reads as request 0."""
+    requests' pages or workspace blocks, the tail of its last page, padding); the caller masks those
+    afterwards, but a mod indexing a captured tensor must never see them (an out-of-bounds read in a
+    compiled kernel). Prefill rows arrive valid (plan_layout gives dead rows a real request and
+    position), so they pay two clamps per element; a padded decode row of a CUDA graph (length 0)
+    reads as request 0."""
     if decode:
         req = torch.where(meta.seq_lens[req] > 0, req, 0)
         last = (meta.seq_lens[req] - 1).clamp(min=0)  # 0 only while a graph is captured over empty buffers
         return req, last, torch.minimum(lkv, last)
     last = meta.seq_lens[req] - 1
-    return req, q_pos, torch.where(lkv < last, lkv, last)  # a min FA4's CuTe code generator can express
+    lkv = torch.where(lkv < last, lkv, last)  # where, not min/max: FA4's CuTe code generator expresses it
+    return req, q_pos, torch.where(lkv > 0, lkv, 0)
 
 
 def _logical_kv(meta: AttentionMetadata, req, kv_idx, listed_only: bool):
@@ -69,17 +72,6 @@ def _logical_kv(meta: AttentionMetadata, req, kv_idx, listed_only: bool):
     live = lkv < meta.seq_lens[req]
     if not listed_only:
         live = live & (meta.block_tables[req, lp] == page)
-    return lkv, live
-
-
-def _workspace_kv(meta: AttentionMetadata, req, lkv, listed_only: bool):
-    """Logical kv position (workspace index less the request's start) → (it, whether it is a live token
-    of request `req`). The lists hold only the request's own KV tiles; a kernel that reads past them
-    (Inductor's CPU template) could meet the previous request's tail, hence the lower bound there."""
-    live = lkv < meta.seq_lens[req]
-    if not listed_only:
-        live = live & (lkv >= 0)
-        lkv = lkv.clamp(min=0)  # a mod sees only real positions
     return lkv, live
 
 
@@ -101,12 +93,15 @@ def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: boo
     rows = _prefill_rows(meta) if workspace else None
 
     def mask(b, h, q_idx, kv_idx):
-        if workspace:
+        if workspace:  # a block of another request, or any block for a dead row (kv0 = DEAD_KV0): lkv out of range
             req, q_pos, kv0 = rows[0][q_idx], rows[1][q_idx], rows[2][q_idx]
-            lkv, live = _workspace_kv(meta, req, kv_idx - kv0, listed_only)
+            lkv = kv_idx - kv0
+            live = (lkv >= 0) & (lkv < meta.seq_lens[req])
         else:
             req, q_pos = _query(meta, decode, b, q_idx)
             lkv, live = _logical_kv(meta, req, kv_idx, listed_only)
+            if not decode:  # decode tokens and padding are dead rows of the prefill call
+                live = live & (meta.prefill_kv0[q_idx] < DEAD_KV0)
         req, q_pos, lkv = _live_coords(meta, decode, req, q_pos, lkv)
         return live & mask_mod(req, h, q_pos, lkv, *values)
     return mask
@@ -273,14 +268,14 @@ class FlexBackend:
                 scores[score_mod] = (paged_score(view, score_mod, True),
                                      paged_score(view, score_mod, False, workspace=compiled))
 
-    def dense_mask(self, meta: AttentionMetadata, mask_mod, num_heads: int, decode: bool) -> torch.Tensor:
+    def dense_mask(self, meta: AttentionMetadata, mask_mod, num_heads: int, decode: bool, q_len: int = 1):
         """The step's mask over its compacted pages, [rows, Hq, q, kv] bool, evaluated once per step and
         shared by every layer (eager flex evaluated the paged mask through vmap again in each layer)."""
         dense = meta.backend_state.setdefault("dense", {})
         key = (mask_mod, num_heads, decode)
         if key not in dense:
             view, lay = meta.backend_state["view"], meta.layout
-            rows, q_len = (lay.num_decode * lay.decode_splits, 1) if decode else (1, lay.num_tiles * Q_TILE)
+            rows = lay.num_decode * lay.decode_splits if decode else 1
             coords = (torch.arange(n, device=view.block_tables.device)
                       for n in (rows, num_heads, q_len, view.num_blocks * view.block_size))
             # plain vmap: flex's create_mask wraps every index op and took 35 ms a step for one decode row
@@ -309,20 +304,19 @@ class FlexBackend:
                 o = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vv.float()).to(q.dtype)
             return torch.where(any_key, o, 0)
 
-        if lay.num_tiles:
-            qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
+        if lay.num_tiles:  # every token row, in place; decode tokens are dead here and overwritten below
             row0 = query.new_zeros(1, dtype=torch.long)  # the prefill call is one flex batch row
-            op = attend(qp, self.dense_mask(meta, mask_mod, Hq, decode=False), pre_sm, row0)
-            out = op[0].transpose(0, 1)[meta.token_row]
+            mask = self.dense_mask(meta, mask_mod, Hq, decode=False, q_len=T)
+            out = attend(query.transpose(0, 1).unsqueeze(0), mask, pre_sm, row0)[0].transpose(0, 1)
         else:
-            out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)
+            out = query.new_empty(T, Hq, D)
         if lay.num_decode:  # split-KV rows (tests only, off CUDA) see every page here: one row per request
             S = lay.decode_splits
             mask, any_key = self.dense_mask(meta, mask_mod, Hq, decode=True)
             rows = torch.arange(0, lay.num_decode * S, S, device=query.device)
             od = attend(query[meta.decode_src[rows]].unsqueeze(2), (mask[rows], any_key[rows]), dec_sm, rows)
-            out.index_copy_(0, meta.decode_dst, od.squeeze(2))
-        return out[:T]
+            merge_splits_into(out, meta.decode_dst, od.squeeze(2), None, 1)
+        return out
 
     def prefill(self, flex, q, k, v, score_mod, block_mask, scale, gqa):
         """The prefill tiles' flex call, on FA4 or the Triton template (prefill_kernel.py)."""
@@ -356,26 +350,26 @@ class FlexBackend:
         gqa = Hq != Hkv
         # the decode kernel's kv tile must divide the page; default tiles can be 128 wide
         opts = {"kernel_options": {"BLOCK_N": P}} if P < 128 else {}
-        # Row T swallows padding decode rows. Prefill rows come back by one gather, which also fills
-        # the rows of decode tokens (overwritten below) and of padded tokens (row 0: finite).
-        if lay.num_tiles:
+        if lay.num_tiles:  # the token buffer itself, as whole tiles: [1, Hq, Tp * Q_TILE, D], no gather
             if len(meta.ws_src) == 0:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
+            R = lay.num_tiles * Q_TILE
+            assert R >= T, (R, T)
             kw, vw = self.gather_workspace(key_cache, value_cache, meta)
-            qp = query[meta.prefill_src].transpose(0, 1).unsqueeze(0)  # [1, Hq, Tp*Q_TILE, D]
-            op = self.prefill(flex, qp, kw, vw, pre_sm, pre_bm, scale, gqa)
-            out = op[0].transpose(0, 1)[meta.token_row]
+            qp = query if R == T else F.pad(query, (0, 0, 0, 0, 0, R - T))  # the engine pads; the functional API not
+            op = self.prefill(flex, qp.transpose(0, 1).unsqueeze(0), kw, vw, pre_sm, pre_bm, scale, gqa)
+            out = op[0].transpose(0, 1)[:T]  # decode tokens' rows are overwritten below
         else:
-            out = query.new_zeros(T + 1, Hq, D) if lay.padded_tokens else query.new_empty(T + 1, Hq, D)
-        if lay.num_decode:
+            out = query.new_empty(T, Hq, D)
+        if lay.num_decode:  # padding decode rows have no token row (dst -1): dropped
             qd = query[meta.decode_src].unsqueeze(2)  # [Bd * S, Hq, 1, D]
             S = lay.decode_splits
             if S == 1:
-                od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa, **opts).squeeze(2)
-                out.index_copy_(0, meta.decode_dst, od)
+                od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa, **opts)
+                merge_splits_into(out, meta.decode_dst, od[:, :, 0], None, 1)
             else:  # the splits' merge and the scatter to the token rows: one launch on CUDA
                 od, lse = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
                                **opts, **LSE_KWARGS)
                 lse = getattr(lse, "lse", lse)
                 merge_splits_into(out, meta.decode_dst, od[:, :, 0], lse[:, :, 0], S)
-        return out[:T]
+        return out
