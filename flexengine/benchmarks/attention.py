@@ -106,6 +106,10 @@ def captured_flex_call(seq_lens, query_lens, page, Hq, Hkv, D, device, mods):
         backend.prepare(meta, [mods])
         return meta
 
+    # the prefill workspace reserved once, as the engine does (a fresh zeroed one per call is the functional API's)
+    ws_pages = len(plan_layout(query_lens, seq_lens, block_size=page).ws_req)
+    if ws_pages:
+        backend.reserve_workspace(ws_pages, page, Hkv, D, torch.bfloat16, device)
     meta = build()
     run = lambda: backend.forward(q, kc, vc, meta, *mods, D ** -0.5)  # noqa: E731
     run()
