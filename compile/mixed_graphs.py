@@ -6,8 +6,8 @@ of host time for 6 ms of GPU work when one 256-token prompt joins 32 decoding re
 
 A graph's shapes are fixed by the step's layout buckets (decode rows, their split-KV count, prefill
 tiles and segments): the tokens are padded to `num_tiles * Q_TILE` (pack_step already does), padded
-tokens write their K/V to the scratch slot, and the page lists and BlockMasks are built on the device inside the graph from
-static buffers, as in the decode graphs. The host packs the step into one array and copies it in, with
+tokens write their K/V to the scratch slot, and the page lists and BlockMasks are built on the device
+inside the graph from static buffers, as in the decode graphs. The host packs the step into one array and copies it in, with
 the block tables beside it.
 The engine captures every key at start-up (compile/warmup.capture_mixed_graphs); a key met later
 anyway is captured then (that step runs the same code eagerly and uses its result). Steps with more

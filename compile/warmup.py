@@ -1,12 +1,12 @@
 """Start-up warm-up: compile every step shape before the first request.
 
 FlexAttention is compiled with static shapes and the engine pads its token buffer to whole prefill
-tiles (policy.tile_bucket) and decode rows to the decode buckets. Prefill bucket b is warmed by one step
-of b * 128 prompt tokens, in as few prompts as max_model_len allows; decode bucket b by one step of b
-one-token requests. Dummy requests write pages no
-request owns yet (sharing them when there are more dummies than pages); their per-request parameters
-are zeros of the dtypes the mods declare, so requests meet the kernels compiled here. With CUDA graphs
-the capture compiles the decode buckets instead.
+tiles (policy.tile_bucket) and decode rows to the decode buckets. Prefill bucket b is warmed by one
+step of b * 128 prompt tokens, in as few prompts as max_model_len allows; decode bucket b by one step
+of b one-token requests. Dummy requests write pages no request owns yet (sharing them when there are
+more dummies than pages); their per-request parameters are zeros of the dtypes the mods declare, so
+requests meet the kernels compiled here. With CUDA graphs the capture compiles the decode buckets
+instead.
 """
 from __future__ import annotations
 
@@ -79,7 +79,6 @@ def capture_mixed_graphs(runner) -> int:
     times prefill tile bucket), so that none is captured while requests wait; then run the logits
     GEMM at every row count such a step can sample (cuBLAS loads kernels on first use). Returns how
     many graphs were captured."""
-    from ..attention.metadata import Q_TILE
     from ..engine.scheduler import ScheduledBatch
     graphs, cfg = runner.mixed_graphs, runner.config
     buckets = decode_buckets(cfg.max_num_seqs)
@@ -109,7 +108,6 @@ def capture_mixed_graphs(runner) -> int:
 
 def warm_up_steps(runner, decode: bool = False) -> float:
     """Run one dummy step per prefill bucket (and per decode bucket if `decode`); returns the seconds."""
-    from ..attention.metadata import Q_TILE
     start = time.perf_counter()
     for b in prefill_buckets(runner):
         seqs, lengths = [], prompt_lengths(runner, b)

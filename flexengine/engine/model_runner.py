@@ -187,7 +187,8 @@ class ModelRunner:
 
         lens = seq_lens.tolist()
         layout = plan_layout(batch.num_new_tokens, lens, **self.layout_padding(batch.num_new_tokens, lens))
-        pad = layout.token_capacity - T  # the prefill call reads the token buffer as whole tiles
+        # Compiled flex reads the token buffer as whole prefill tiles (the eager path reads T rows as they are).
+        pad = layout.token_capacity - T if self.static_shapes else 0
         if pad:  # padding tokens: id 0 at position 0, their K/V to the scratch page past the pool
             scratch = (self.layers[0].k_cache.shape[0] - 1) * P
             ids, positions = np.pad(ids, (0, pad)), np.pad(positions, (0, pad))
@@ -227,8 +228,8 @@ class ModelRunner:
         num_decode = sum(n == 1 for n in query_lens)
         tiles = tile_bucket(-(-sum(query_lens) // Q_TILE)) if any(n > 1 for n in query_lens) else 0
         rows = bucket(num_decode, decode_buckets(self.config.max_num_seqs)) if num_decode else 0
-        return dict(pad_decode_to=rows, pad_tiles_to=tiles, pad_segments_to=segment_capacity(tiles, self.config.max_num_seqs),
-                    decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device),
+        return dict(pad_decode_to=rows, pad_tiles_to=tiles,
+                    pad_segments_to=segment_capacity(tiles, self.config.max_num_seqs), decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device),
                     block_size=self.block_size, pad_workspace_to=self.workspace_bucket(query_lens, seq_lens, tiles))
 
     def workspace_bucket(self, query_lens: list[int], seq_lens: list[int], tiles: int) -> int:
