@@ -63,3 +63,26 @@ def test_all_splits_empty_gives_zeros():
 def test_triton_merge_equals_attention_over_all_keys(S, D, dtype):
     for seed in range(4):
         check_merge("cuda", 3, S, 8, D, 300, seed, dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rows_of_padding_requests_are_dropped(device, splits):
+    """dst -1 (a padded decode row of a CUDA graph) writes nothing; with one split and no lse the merge is a
+    plain scatter of each row to its token."""
+    g = torch.Generator().manual_seed(splits)
+    B, N, D = 4, 2, 8
+    part = torch.randn(B * splits, N, D, generator=g).to(device)
+    lse = torch.randn(B * splits, N, generator=g).to(device) if splits > 1 else None
+    dst = torch.tensor([5, -1, 0, -1], device=device)
+    out = torch.full((7, N, D), 7.0, device=device)
+    merge_splits_into(out, dst, part, lse, splits)
+    if splits == 1:
+        want = {5: part[0], 0: part[2]}
+    else:  # the weights: softmax of each request's lse over its splits
+        w = lse.view(B, splits, N).softmax(1)[..., None]
+        merged = (w * part.view(B, splits, N, D)).sum(1)
+        want = {5: merged[0], 0: merged[2]}
+    for t in range(7):
+        torch.testing.assert_close(out[t], want.get(t, torch.full((N, D), 7.0, device=device)))
