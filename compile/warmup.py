@@ -62,6 +62,14 @@ def dummy_seqs(runner, num_seqs: int, tokens_each: int, cached: int = 0, first: 
     return seqs
 
 
+def dummy_prompts(runner, lengths: list[int], first: int = 0) -> list:
+    """One dummy request per prompt length, nothing cached, numbered from `first`."""
+    seqs = []
+    for n in lengths:
+        seqs += dummy_seqs(runner, 1, n, first=first + len(seqs))
+    return seqs
+
+
 def dummy_step(runner, num_seqs: int, tokens_each: int, cached: int = 0) -> None:
     """One step of `num_seqs` requests computing `tokens_each` tokens after `cached` ones."""
     run_dummy(runner, dummy_seqs(runner, num_seqs, tokens_each, cached), [tokens_each] * num_seqs)
@@ -93,8 +101,7 @@ def capture_mixed_graphs(runner) -> int:
                 if lengths is None:
                     continue
                 seqs = dummy_seqs(runner, num_decode, 1, cached=1)
-                for n in lengths:
-                    seqs += dummy_seqs(runner, 1, n, first=len(seqs))
+                seqs += dummy_prompts(runner, lengths, first=len(seqs))
                 p = runner.pack_step(ScheduledBatch(seqs, [1] * num_decode + lengths))
                 assert graphs.fits(p.layout) and p.layout.num_tiles == tiles, p.layout
                 graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
@@ -110,11 +117,9 @@ def warm_up_steps(runner, decode: bool = False) -> float:
     """Run one dummy step per prefill bucket (and per decode bucket if `decode`); returns the seconds."""
     start = time.perf_counter()
     for b in prefill_buckets(runner):
-        seqs, lengths = [], prompt_lengths(runner, b)
-        for n in lengths or []:  # (None: no step can pad to this bucket)
-            seqs += dummy_seqs(runner, 1, n, first=len(seqs))
-        if seqs:
-            run_dummy(runner, seqs, lengths)
+        lengths = prompt_lengths(runner, b)
+        if lengths is not None:  # (None: no step can pad to this bucket)
+            run_dummy(runner, dummy_prompts(runner, lengths), lengths)
     if decode:
         for b in decode_buckets(runner.config.max_num_seqs):
             dummy_step(runner, b, 1)

@@ -84,17 +84,23 @@ CASE_LIST = [
 CASES = st.sampled_from(CASE_LIST)
 
 
-def check_lists(t, b, L, plain, qs, own, partial, full, B):
-    """Decode row t's lists cover exactly the mask: `own[j]` is the listed index of logical block j (B tokens)."""
-    assert set(partial) <= set(own) and set(full) <= set(own), "a block of another request appears"
-    assert not set(partial) & set(full) and len(set(partial)) == len(partial) and len(set(full)) == len(full)
+def check_blocks(where, b, L, plain, qs, own, partial, full, B, full_allowed=True):
+    """Request b's queries `qs` against its blocks: `own[j]` is the listed index of logical block j (B
+    tokens); every block the mask allows is listed, and a full one is all-true (and full_allowed)."""
     for lb, block in enumerate(own):
         kvs = range(lb * B, min((lb + 1) * B, L))
         allowed = [plain(b, 0, q, kv) for q in qs for kv in kvs]
         if any(allowed):
-            assert block in partial or block in full, f"row {t}: allowed logical block {lb} is missing"
+            assert block in partial or block in full, f"{where}: allowed block {lb} of request {b} is missing"
         if block in full:
-            assert all(allowed) and len(kvs) == B, f"row {t}: block {lb} marked full but is not"
+            assert all(allowed) and len(kvs) == B and full_allowed, f"{where}: block {lb} marked full but is not"
+
+
+def check_lists(t, b, L, plain, qs, own, partial, full, B):
+    """Decode row t's lists cover exactly the mask over its request's own blocks `own`."""
+    assert set(partial) <= set(own) and set(full) <= set(own), "a block of another request appears"
+    assert not set(partial) & set(full) and len(set(partial)) == len(partial) and len(set(full)) == len(full)
+    check_blocks(f"row {t}", b, L, plain, qs, own, partial, full, B)
 
 
 def check_tile_lists(t, lay, reqs, plain, partial, full):
@@ -110,13 +116,7 @@ def check_tile_lists(t, lay, reqs, plain, partial, full):
         L = reqs[b][0]
         own = range(kv0 // KV_TILE, kv0 // KV_TILE + -(-L // KV_TILE))
         owned.update(own)
-        for lb, block in enumerate(own):
-            kvs = range(lb * KV_TILE, min((lb + 1) * KV_TILE, L))
-            allowed = [plain(b, 0, q, kv) for q in qs for kv in kvs]
-            if any(allowed):
-                assert block in partial or block in full, f"tile {t}: allowed block {lb} of request {b} is missing"
-            if block in full:
-                assert all(allowed) and len(kvs) == KV_TILE and len(by_req) == 1, f"tile {t}: block {block} not full"
+        check_blocks(f"tile {t}", b, L, plain, qs, own, partial, full, KV_TILE, full_allowed=len(by_req) == 1)
     assert set(partial) | set(full) <= owned, f"tile {t} lists a block of no request in it"
 
 
