@@ -73,6 +73,23 @@ def cache_dir() -> str:
 
 
 DEFAULT_BLOCK_SIZE = 16
+GPU_FLEX_BLOCK_SIZE = 128
+
+
+def default_block_size(device_type: str, attention_backend: str | None) -> int:
+    """Tokens per KV page when none is asked for: 128 where compiled flex serves (a GPU, backend flex or
+    auto), else 16 (the CPU, and the flash and reference backends, as before).
+
+    Flex's decode kernel reads one page per KV tile, so 16-token pages cap its tile at 16 keys. On the H100
+    128-token pages ran decode 8 x 8192 at 0.90x SDPA-flash against 0.45x, 64 x 2048 at 1.08x against
+    0.79x, and 16 prompts x 6144 in x 256 out end to end in 1.71 s against 2.78 s (docs/benchmarks.md,
+    sessions 12-13). The cost is coarser prefix-cache hits (whole 128-token pages) and up to 127 unused
+    slots per request."""
+    if device_type != "cuda":
+        return DEFAULT_BLOCK_SIZE
+    name = attention_backend if attention_backend is not None else env_attention_backend()
+    name = (name or "auto").strip().lower()
+    return GPU_FLEX_BLOCK_SIZE if name in ("auto", "flex") else DEFAULT_BLOCK_SIZE
 
 
 def default_max_num_batched_tokens(device_type: str) -> int:
@@ -106,7 +123,7 @@ class EngineConfig:
     model: str | None = None              # path or hub id; None → the embedded default model
     dtype: str = "auto"
     device: str = "auto"                  # "auto" → cuda when available, else cpu
-    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV page
+    block_size: int | None = None         # tokens per KV page; None → default_block_size(the device, backend)
     num_kv_blocks: int | None = None      # None → sized from memory (GPU profile / CPU_KV_CACHE_BYTES)
     gpu_memory_utilization: float = 0.9
     # None → the model's max_position_embeddings, or what the KV cache holds when that is less (logged);
@@ -141,8 +158,9 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "num_scheduler_steps", "tensor_parallel_size"):
             positive(name)
+        positive("block_size", allow_none=True)
         positive("max_num_batched_tokens", allow_none=True)
         positive("num_kv_blocks", allow_none=True)
         positive("max_model_len", allow_none=True)

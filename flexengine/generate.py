@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 
-from .config import DEFAULT_BLOCK_SIZE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt + output per request (default: the model's context, or what the KV cache "
                              "holds when that is less)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pages (default: sized from memory)")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV cache page")
+    parser.add_argument("--block-size", type=int, default=None,
+                    help="tokens per KV cache page (default: 128 on a GPU with the flex backend, else 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token budget of one engine step, chunked prefill (default 8192 on a GPU, 2048 on the "
                              "CPU)")

@@ -9,7 +9,7 @@ import os
 from tqdm.auto import tqdm
 
 from .chat import chat_prompt_ids, conversations
-from .config import DEFAULT_BLOCK_SIZE, EngineConfig
+from .config import EngineConfig
 from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -17,7 +17,7 @@ from .sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, *, dtype="auto", device: str = "auto",
-                 block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
+                 block_size: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  attention_backend: str | None = None, enforce_eager: bool = False, tensor_parallel_size: int = 1,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import flexengine
 from flexengine import LLM, CompletionOutput, RequestOutput, SamplingParams
-from flexengine.config import EngineConfig, default_max_num_batched_tokens
+from flexengine.config import EngineConfig, default_block_size, default_max_num_batched_tokens
 from test_engine import VOCAB, checkpoint, hf_greedy, prompts_of
 
 
@@ -145,12 +145,18 @@ def test_bad_engine_config(kwargs, message):
         LLM(**kwargs)
 
 
-def test_engine_config_defaults():
+def test_engine_config_defaults(monkeypatch):
     c = EngineConfig()
     assert (c.block_size, c.max_num_seqs, c.max_num_batched_tokens, c.enable_prefix_caching, c.seed) == \
-        (16, 256, None, True, 0)
+        (None, 256, None, True, 0)
     llm = LLM(num_kv_blocks=8, mask_mod="causal", score_mod=None)
     assert llm.config.mask_mod == "causal"
+    assert llm.config.block_size == llm.llm_engine.block_manager.block_size == 16  # the CPU's
+    monkeypatch.delenv("FLEXENGINE_ATTENTION_BACKEND", raising=False)
+    assert default_block_size("cuda", None) == default_block_size("cuda", "flex") == 128  # flex's decode tile
+    assert default_block_size("cuda", "flash") == default_block_size("cpu", "flex") == 16
+    monkeypatch.setenv("FLEXENGINE_ATTENTION_BACKEND", "reference")
+    assert default_block_size("cuda", None) == 16
     assert llm.config.max_num_batched_tokens == llm.llm_engine.scheduler.max_num_batched_tokens == 2048  # the CPU's
     assert default_max_num_batched_tokens("cuda") == 8192  # vLLM's LLM default below 70 GiB, its server's above
     assert LLM(num_kv_blocks=8, max_num_batched_tokens=64).llm_engine.scheduler.max_num_batched_tokens == 64

@@ -198,6 +198,15 @@ def test_split_kv_decode_matches_dense_reference(splits):
         torch.testing.assert_close(out.double(), ref, atol=3e-4, rtol=3e-4)
 
 
+def test_fa4_score_mods_get_fast_math_tanh():
+    """torch lowers torch.tanh to the strict math.tanh in flex's FA4 code; the engine switches it to the fast-math
+    form FA4's own softcap uses (1.6x slower prefill with a softcap mod otherwise, docs/benchmarks.md)."""
+    overrides = pytest.importorskip("torch._inductor.codegen.cutedsl.cutedsl_op_overrides")
+    from flexengine.attention.backends.prefill_kernel import use_fast_tanh
+    assert use_fast_tanh()
+    assert overrides.CuteDSLOpOverrides.tanh("s") == "cute.math.tanh(s, fastmath=True)"
+
+
 def test_flex_prefill_kernel_choice(caplog):
     """FLEXENGINE_FLEX_PREFILL: a bad value names the choices; flash asked for where FA4 cannot run is a
     ValueError saying why; auto is Triton; once FA4 refuses a mod, Triton serves, and that is said."""

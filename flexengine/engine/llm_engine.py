@@ -17,7 +17,7 @@ import os
 import time
 
 from ..attention.metadata import Q_TILE, workspace_align
-from ..config import EngineConfig, default_max_num_batched_tokens, resolve_device
+from ..config import EngineConfig, default_block_size, default_max_num_batched_tokens, resolve_device
 from ..masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
 from ..outputs import CompletionDelta, RequestOutput
 from ..sampling_params import SamplingParams
@@ -66,9 +66,11 @@ def resolve_async_scheduling(setting: bool | None, device_type: str, num_schedul
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        device_type = resolve_device(config.device).type
         if config.max_num_batched_tokens is None:
-            budget = default_max_num_batched_tokens(resolve_device(config.device).type)
-            config = dataclasses.replace(config, max_num_batched_tokens=budget)
+            config = dataclasses.replace(config, max_num_batched_tokens=default_max_num_batched_tokens(device_type))
+        if config.block_size is None:
+            config = dataclasses.replace(config, block_size=default_block_size(device_type, config.attention_backend))
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.tokenizer

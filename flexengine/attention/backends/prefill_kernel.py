@@ -62,6 +62,28 @@ def fa4_unsupported_reason(query: torch.Tensor) -> str | None:
     return fa4_installed()
 
 
+@functools.cache
+def use_fast_tanh() -> bool:
+    """Make flex's FA4 code generator emit fast-math tanh (`cute.math.tanh(x, fastmath=True)`, as FA4's
+    own softcap does) instead of the strict `math.tanh` torch lowers `torch.tanh` to. A softcap(30) mod
+    with a 1,024 window cost 367 µs against 228 µs without it at 8 x 1024 on the H100, 265 µs with fast
+    tanh (docs/benchmarks.md, session 13). Process-wide, once; False (said once) where this torch has
+    no such lowering to adjust: softcap stays correct, only slower."""
+    try:
+        from torch._inductor.codegen.cutedsl.cutedsl_op_overrides import CuteDSLOpOverrides as ops
+    except ImportError:
+        ops = None
+    if ops is None or not callable(getattr(ops, "_apply_unary_op", None)) or not hasattr(ops, "tanh"):
+        logger.warning("flex prefill on FA4: torch %s has no CuTe DSL tanh lowering to switch to fast math; tanh "
+                       "in a score mod stays the strict (slower) form", torch.__version__)
+        return False
+
+    def tanh(x0):
+        return ops._apply_unary_op(x0, "cute.math.tanh({x}, fastmath=True)")
+    ops.tanh = staticmethod(tanh)
+    return True
+
+
 class PrefillKernel:
     """The per-backend choice; `options(query)` gives the kernel_options of one prefill call."""
 
@@ -81,6 +103,7 @@ class PrefillKernel:
                 logger.info("flex prefill kernel: %s", "FlashAttention-4" if self.flash else
                             f"Triton ({reason}; FLEXENGINE_FLEX_PREFILL=triton|flash chooses)")
         if self.flash:
+            use_fast_tanh()
             return dict(FLASH_OPTIONS)
         return triton_options(query.shape[-1]) if query.is_cuda else {}  # (Inductor's CPU template: its own)
 
