@@ -1,0 +1,79 @@
+"""Host time of each step's inputs and attention metadata, as the engine builds them (issue 15, item 3).
+
+    python3 scripts/step_host_time.py --model /dev/shm/llama1b [--num-prompts 256 --input-len 256 --output-len 32]
+
+Runs an offline workload through `LLM.generate` and times, per step, the host functions that turn the
+scheduled batch into device inputs (medians and p90 over the steps of each kind, µs):
+- decode steps from a CUDA graph: `prepare_decode` (ids, positions, slots, lengths, tables: one copy) and
+  `DecodeGraphRunner.run` (copies into the graph's buffers and the replay; the page map, page lists and
+  BlockMasks are built inside the graph);
+- steps with prompt tokens from a mixed graph: `pack_step` (of which `plan_layout`: where each query
+  sits) and `MixedGraphRunner.run` (one packed copy, the tables, the replay; metadata inside the graph);
+- steps too large for a graph: `pack_step` and `prepare_step`, whose metadata is built by eager launches.
+The model's own launches are not counted (they are the graph replay, or the eager layers).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import time
+
+import numpy as np
+import torch
+
+from flexengine import LLM, SamplingParams
+from flexengine.benchmarks.common import random_prompts
+from flexengine.engine import model_runner
+
+
+def timed(record: list, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record.append((time.perf_counter() - start) * 1e6)
+    return wrapper
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    args = p.parse_args()
+    llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "float32", max_num_batched_tokens=args.max_num_batched_tokens)
+    runner = llm.llm_engine.runner
+    times = collections.defaultdict(list)
+    runner.prepare_decode = timed(times["prepare_decode"], runner.prepare_decode)
+    runner.pack_step = timed(times["pack_step"], runner.pack_step)
+    runner.prepare_step = timed(times["prepare_step (eager metadata)"], runner.prepare_step)
+    model_runner.plan_layout = timed(times["  of which plan_layout"], model_runner.plan_layout)
+    if runner.decode_graphs is not None:
+        runner.decode_graphs.run = timed(times["DecodeGraphRunner.run"], runner.decode_graphs.run)
+    if runner.mixed_graphs is not None:
+        runner.mixed_graphs.run = timed(times["MixedGraphRunner.run"], runner.mixed_graphs.run)
+    prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, seed=0)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    for t in times.values():
+        t.clear()  # the warm-up and graph capture are not steps
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"# {device} | torch {torch.__version__} | {args.model} | block_size "
+          f"{llm.config.block_size} | {args.num_prompts} x {args.input_len} in x {args.output_len} out, "
+          f"max_num_seqs {llm.config.max_num_seqs}, budget {llm.config.max_num_batched_tokens} | {wall:.2f} s")
+    print("| host function | calls | median µs | p90 µs |")
+    print("|---|---|---|---|")
+    for name, t in times.items():
+        if t:
+            print(f"| {name} | {len(t)} | {np.median(t):.0f} | {np.percentile(t, 90):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
