@@ -63,6 +63,14 @@ class PackedStep:
     last_rows: np.ndarray             # int64 [rows]: each sequence's last token in the packed batch
 
 
+def table_entries(tables: list[list[int]]):
+    """Every page of every block table at once: (row, column, page) flat, and each table's length."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    row = np.repeat(np.arange(len(tables)), lens)
+    col = np.arange(len(row)) - np.repeat(np.cumsum(lens) - lens, lens)
+    return row, col, np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=len(row)), lens
+
+
 def wants_compile(device: torch.device, enforce_eager: bool) -> bool:
     """Compiled kernels and CUDA graphs: on CUDA unless enforce_eager (CPU Inductor builds are slow)."""
     return device.type == "cuda" and not enforce_eager
@@ -169,20 +177,19 @@ class ModelRunner:
         starts = np.asarray([s.num_computed_tokens for s in seqs], dtype=np.int64)
         seq_lens = starts + query_lens
         T = int(query_lens.sum())
-        ids = np.asarray(list(chain.from_iterable(s.token_ids[a:a + n] for s, a, n in zip(seqs, starts, query_lens))),
-                         dtype=np.int64)
+        ids = np.fromiter(chain.from_iterable(s.token_ids[a:a + n] for s, a, n in zip(seqs, starts, query_lens)),
+                          dtype=np.int64, count=T)
         req = np.repeat(np.arange(R), query_lens)
         ends = np.cumsum(query_lens)
         positions = np.repeat(starts, query_lens) + np.arange(T) - np.repeat(ends - query_lens, query_lens)
         # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long
         # contexts. The device side widens it where a fixed shape needs that (prepare_step).
-        width = max(len(s.block_table) for s in seqs)
+        row, col, page, lens = table_entries([s.block_table for s in seqs])
         # With static shapes every per-request tensor the kernels read has max_num_seqs rows (padding:
         # length 0, no pages), so the request count never changes a compiled shape.
         rows = max(R, self.config.max_num_seqs) if self.static_shapes else R
-        tables = np.zeros((rows, width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = s.block_table
+        tables = np.zeros((rows, int(lens.max())), dtype=np.int32)
+        tables[row, col] = page
         slots = tables[req, positions // P].astype(np.int64) * P + positions % P
 
         lens = seq_lens.tolist()
@@ -332,13 +339,9 @@ class ModelRunner:
         Tables are only as wide as the longest one: the graph buffers keep their full width, and
         columns past a request's last page are never read."""
         P, R = self.block_size, len(seqs)
-        tables = [s.block_table for s in seqs]
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=R)
+        row, col, page, lens = table_entries([s.block_table for s in seqs])
         packed = np.zeros((4 + int(lens.max()), R), dtype=np.int64)
-        # every page of every table at once: its column is its request, its row its index in the table
-        column = np.repeat(np.arange(R), lens)
-        packed[4 + np.arange(len(column)) - np.repeat(np.cumsum(lens) - lens, lens), column] = \
-            np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=len(column))
+        packed[4 + col, row] = page  # transposed: a column per request
         pos = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=R) - 1
         packed[0] = [s.token_ids[-1] for s in seqs]
         packed[1], packed[3] = pos, pos + 1
