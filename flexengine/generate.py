@@ -11,7 +11,6 @@ import json
 import sys
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text; several run as one batch")
     parser.add_argument("--model", default=None,
@@ -40,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "holds when that is less)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pages (default: sized from memory)")
     parser.add_argument("--block-size", type=int, default=None,
-                    help="tokens per KV cache page (default: 128 on a GPU with the flex backend, else 16)")
+                        help="tokens per KV cache page (default: 128 on a GPU with the flex backend, else 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token budget of one engine step, chunked prefill (default 8192 on a GPU, 2048 on the "
                              "CPU)")

@@ -27,7 +27,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "KV cache holds when that is less)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages (default: sized from memory)")
     p.add_argument("--block-size", type=int, default=None,
-               help="tokens per KV cache page (default: 128 on a GPU with the flex backend, else 16)")
+                   help="tokens per KV cache page (default: 128 on a GPU with the flex backend, else 16)")
     p.add_argument("--attention-backend", default=None, help="flex | flash | reference | auto")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps per schedule, fed on the device (CUDA graphs only; None: 1)")

@@ -305,7 +305,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--dtype", default=None, help="weights and KV dtype: auto, float32, bfloat16, float16")
     engine.add_argument("--device", default=None, help="auto (cuda if available), cpu, cuda, cuda:N")
     engine.add_argument("--block-size", type=int, default=None,
-                    help="tokens per KV cache page (default: 128 on a GPU with the flex backend, else 16)")
+                        help="tokens per KV cache page (default: 128 on a GPU with the flex backend, else 16)")
     engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pages (default: sized from memory)")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output per request (default: the model's context, or what the KV "
