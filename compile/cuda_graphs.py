@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..attention.metadata import (AttentionMetadata, build_metadata, build_phys_to_logical, choose_decode_splits,
-                                  plan_layout)
+                                  plan_layout, to_device)
 from .policy import decode_buckets
 
 
@@ -152,6 +153,16 @@ class DecodeGraphRunner:
         assert bs is not None and block_tables.shape[1] <= self.width, (n, block_tables.shape)
         self.bufs.fill(input_ids, positions, slot_mapping, block_tables, seq_lens, params, bs)
         return self.replay(n)
+
+    @torch.inference_mode()
+    def run_moved_on(self, token_ids: torch.Tensor, new_pages: np.ndarray) -> torch.Tensor:
+        """Logits of a decode step whose batch is the last run's, each row one token on: the buffers move on
+        on the device, and only the pages appended since (new_pages [3, k]: row, column, page) are copied."""
+        if new_pages.shape[1]:
+            row, col, page = to_device(new_pages, self.device).unbind(0)
+            self.bufs.block_tables[row, col] = page.int()
+        self.bufs.advance(token_ids, self.block_size)
+        return self.replay(token_ids.shape[0])
 
     @torch.inference_mode()
     def run_next(self, token_ids: torch.Tensor) -> torch.Tensor:

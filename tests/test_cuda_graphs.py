@@ -40,6 +40,33 @@ def test_static_buffer_decode_matches_the_ordinary_step():
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_moved_on_matches_the_ordinary_step():
+    """Steady decode: the graphs' buffers move on by themselves and take only the new pages (decode_inputs.py).
+    Each step's logits equal the ordinary step's, across page boundaries; a changed batch is packed whole."""
+    llm = LLM(block_size=4, num_kv_blocks=32, enforce_eager=True)
+    r = llm.llm_engine.runner
+    llm.generate(["warm the cache up"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    r.decode_graphs = DecodeGraphRunner(
+        r.forward_logits, r.backend, r.mods, max_num_seqs=4, block_size=4, num_blocks=r.num_blocks + 1,
+        table_width=r.table_width, num_kv_heads=r.num_kv_heads, params={}, scratch_slot=r.num_blocks * 4, device="cpu")
+    seqs = [fake_seq(0, 6, [3, 9]), fake_seq(1, 3, [7]), fake_seq(2, 8, [12, 1])]
+    free, moved = iter(range(20, 32)), []
+    for step in range(7):
+        with torch.inference_mode():
+            inputs = r.prepare_step(ScheduledBatch(seqs, [1] * len(seqs)), sampling=False)
+            expected = r.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
+            moved.append(r.decode_tracker.moved_on(seqs) is not None)
+            got = r.decode_from_graphs(seqs, None)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        for s in seqs:  # one token on; a new page where the next position starts one
+            s.token_ids.append((5 * step + s.num_tokens) % 200 + 1)
+            s.num_computed_tokens += 1
+            if (s.num_tokens - 1) // 4 >= len(s.block_table):
+                s.block_table.append(next(free))
+    assert moved == [False] + [True] * 6
+    assert r.decode_tracker.moved_on(seqs[:2]) is None
+
+
 def chunk_seq(i, n, computed, pages):
     """A request with `computed` of its n tokens in the cache; the step computes the rest."""
     s = fake_seq(i, n, pages)
@@ -232,11 +259,12 @@ def softcap_traffic(caps):
 
 
 def count_graph_passes(runner) -> list:
-    """Wrap the decode-graph runner's two entry points; returns the list each pass appends to."""
+    """Wrap the decode-graph runner's three entry points; returns the list each pass appends to."""
     passes, graphs = [], runner.decode_graphs
-    run, run_next = graphs.run, graphs.run_next
+    run, run_next, run_moved_on = graphs.run, graphs.run_next, graphs.run_moved_on
     graphs.run = lambda *a: passes.append("run") or run(*a)
     graphs.run_next = lambda *a: passes.append("next") or run_next(*a)
+    graphs.run_moved_on = lambda *a: passes.append("moved") or run_moved_on(*a)
     return passes
 
 
@@ -257,6 +285,8 @@ def test_float_parameters_run_on_the_decode_graphs_without_recompiles(gpu_shaped
     assert compile_count() == before, "a float parameter compiled a kernel after warm-up"
     assert len(passes) == 2 * 7, passes  # 7 decode passes per generate, after the prefill step
     assert passes.count("next") == (2 * 5 if steps == 4 else 0)  # passes of 4 and 3 decodes
+    # one step at a time, the batch after the first decode is the last one's moved on: only its changes are sent
+    assert passes.count("moved") == (2 * 6 if steps == 1 else 0)
     assert llm.llm_engine.num_free_blocks() == llm.llm_engine.num_total_blocks
     gpu_shaped_engines()
     reference = LLM(**config, attention_backend="reference")

@@ -31,6 +31,7 @@ from .layer_mods import apply_mod_overrides, mod_params
 from .logits_adjust import build_logits_adjust
 from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
 from .structured_outputs import fill_token_mask
+from .decode_inputs import DecodeTracker, pack_decode, table_entries
 from .in_flight import InFlightStep, feed_inputs
 from ..parallel import agree_on_min, building_for, drive_workers, shift_layer_mods, start_tensor_parallel
 from .scheduler import ScheduledBatch
@@ -61,14 +62,6 @@ class PackedStep:
     sample_seqs: list[Sequence]
     sample_rows: np.ndarray           # int64 [N]
     last_rows: np.ndarray             # int64 [rows]: each sequence's last token in the packed batch
-
-
-def table_entries(tables: list[list[int]]):
-    """Every page of every block table at once: (row, column, page) flat, and each table's length."""
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    row = np.repeat(np.arange(len(tables)), lens)
-    col = np.arange(len(row)) - np.repeat(np.cumsum(lens) - lens, lens)
-    return row, col, np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=len(row)), lens
 
 
 def wants_compile(device: torch.device, enforce_eager: bool) -> bool:
@@ -137,6 +130,7 @@ class ModelRunner:
         # A fixed table width keeps every compiled shape (and stride) the same from step to step.
         self.table_width = -(-self.max_model_len // self.block_size)
         self.decode_graphs = self.mixed_graphs = None
+        self.decode_tracker = DecodeTracker()
         if self.static_shapes:
             from ..compile import allow_recompiles
             from ..compile.warmup import shape_classes, warm_up_steps
@@ -334,20 +328,25 @@ class ModelRunner:
         return {name: p.dtype for name, p in sorted(self.mod_params.items())}
 
     def prepare_decode(self, seqs: list[Sequence]):
-        """Pure decode: ids, positions, slots, lengths and tables in ONE host→device copy.
-
-        Tables are only as wide as the longest one: the graph buffers keep their full width, and
-        columns past a request's last page are never read."""
-        P, R = self.block_size, len(seqs)
-        row, col, page, lens = table_entries([s.block_table for s in seqs])
-        packed = np.zeros((4 + int(lens.max()), R), dtype=np.int64)
-        packed[4 + col, row] = page  # transposed: a column per request
-        pos = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=R) - 1
-        packed[0] = [s.token_ids[-1] for s in seqs]
-        packed[1], packed[3] = pos, pos + 1
-        packed[2] = packed[4 + pos // P, np.arange(R)] * P + pos % P
-        dev = self.to_device(packed)
+        """Pure decode: ids, positions, slots, lengths and tables in ONE host→device copy (decode_inputs.py)."""
+        dev = self.to_device(pack_decode(seqs, self.block_size))
         return dev[0], dev[1], dev[2], dev[4:].T.int(), dev[3].int(), self.attention_params(seqs)
+
+    def decode_from_graphs(self, seqs: list[Sequence], prev: InFlightStep | None) -> torch.Tensor:
+        """Logits of a pure decode step from the decode graphs; when the batch is the last one's moved on one
+        token, only the ids and new pages go to the device (decode_inputs.py)."""
+        moved = self.decode_tracker.moved_on(seqs)
+        fed = self.feed(prev, seqs, range(len(seqs)))
+        if moved is None:
+            ids, *rest = self.prepare_decode(seqs)
+            feed_inputs(ids, fed)
+            logits = self.decode_graphs.run(ids, *rest)
+        else:
+            ids = self.to_device(moved.ids)
+            feed_inputs(ids, fed)
+            logits = self.decode_graphs.run_moved_on(ids, moved.new_pages)
+        self.decode_tracker.remember(seqs)
+        return logits
 
     def decode_with_graphs(self, batch: ScheduledBatch) -> bool:
         g = self.decode_graphs
@@ -363,10 +362,9 @@ class ModelRunner:
 
         prev: the step launched before this one, whose samples are this step's PENDING input tokens."""
         if self.decode_with_graphs(batch):  # every row is a sequence's last token: no prompt token to score
-            ids, *rest = self.prepare_decode(batch.seqs)
-            feed_inputs(ids, self.feed(prev, batch.seqs, range(len(batch.seqs))))
-            logits = self.decode_graphs.run(ids, *rest)
+            logits = self.decode_from_graphs(batch.seqs, prev)
             return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs, prev)), None
+        self.decode_tracker.forget()  # (the graphs' buffers stay as they are, but the batch moves on without them)
         p = self.pack_step(batch) if self.mixed_graphs is not None else None
         if p is not None and self.mixed_graphs.fits(p.layout):  # a step with prompt tokens, from a graph
             hidden = self.mixed_graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
@@ -399,6 +397,7 @@ class ModelRunner:
         """batch.num_steps decode steps back to back, each fed the last one's samples on the device:
         → token ids [num_steps, n]. The scheduler made it only where the graphs serve every row."""
         assert self.decode_with_graphs(batch), "a multi-step batch the decode graphs cannot run"
+        self.decode_tracker.forget()  # run_next moves the buffers on num_steps times
         sampling = self.sampling_tensors(batch.seqs)
         tokens = [self.sampler(self.decode_graphs.run(*self.prepare_decode(batch.seqs)), sampling).token_ids]
         for _ in range(batch.num_steps - 1):

@@ -1,9 +1,9 @@
 """Rank 0's side of a step: before each device call that every rank makes, tell the workers what to run.
 
-`drive_workers(runner, pool)` wraps, on rank 0's ModelRunner only, the four calls a step makes on the
-model: run_model (an eager step), model.compute_logits (sampling, prompt logprobs), the decode graphs'
-run / run_next and the mixed graphs' run. Each sends a small pickled description over the control group
-(gloo) and broadcasts the step's device tensors over the device group; the worker (parallel/worker.py)
+`drive_workers(runner, pool)` wraps, on rank 0's ModelRunner only, the calls a step makes on the model:
+run_model (an eager step), model.compute_logits (sampling, prompt logprobs), the decode graphs' run /
+run_next / run_moved_on and the mixed graphs' run. Each sends a small pickled description over the control
+group (gloo) and broadcasts the step's device tensors over the device group; the worker (parallel/worker.py)
 makes the same call on its shard. Rank 0's input ids reach the workers inside the model (they may have
 been fed from rank 0's samples on the device), so no row of the step ever leaves the device.
 The scheduler, the block manager and the sampler exist on rank 0 alone: only rank 0 samples.
@@ -113,7 +113,7 @@ def drive_workers(runner, pool) -> None:
 
 
 def wrap_decode_graphs(graphs, pool, announce) -> None:
-    run, run_next = graphs.run, graphs.run_next
+    run, run_next, run_moved_on = graphs.run, graphs.run_next, graphs.run_moved_on
 
     def run_tp(input_ids, positions, slot_mapping, block_tables, seq_lens, params):
         with pool.step() as outermost:
@@ -129,7 +129,13 @@ def wrap_decode_graphs(graphs, pool, announce) -> None:
                 announce(("decode_next", token_ids.shape[0]), [])
             return run_next(token_ids)
 
-    graphs.run, graphs.run_next = run_tp, run_next_tp
+    def run_moved_on_tp(token_ids, new_pages):
+        with pool.step() as outermost:
+            if outermost:  # the new pages: a host array, pickled
+                announce(("decode_moved", token_ids.shape[0], new_pages), [])
+            return run_moved_on(token_ids, new_pages)
+
+    graphs.run, graphs.run_next, graphs.run_moved_on = run_tp, run_next_tp, run_moved_on_tp
 
 
 def wrap_mixed_graphs(graphs, pool, announce) -> None:

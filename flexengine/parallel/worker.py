@@ -70,6 +70,9 @@ def serve_steps(runner, tp) -> None:
             runner.decode_graphs.run(ids, positions, slots, tables, seq_lens, dict(zip(names, values)))
         elif kind == "decode_next":
             runner.decode_graphs.run_next(torch.zeros(args[0], dtype=torch.int64, device=device))
+        elif kind == "decode_moved":
+            n, new_pages = args
+            runner.decode_graphs.run_moved_on(torch.zeros(n, dtype=torch.int64, device=device), new_pages)
         elif kind == "mixed":
             n, positions, slots, tables, seq_lens, layout, names = args
             runner.mixed_graphs.run(np.zeros(n, dtype=np.int64), positions, slots, tables, seq_lens, layout,

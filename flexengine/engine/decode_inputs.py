@@ -1,0 +1,89 @@
+"""A pure decode step's inputs on the host: the whole batch packed into one array, or, in the steady state
+where the batch is the last decode step's one token on, only what changed.
+
+Packing 256 requests' ids, positions, slots, lengths and block tables took 405 µs of host time per decode
+step on the H100 box (docs/benchmarks.md, session 13). When the batch has not changed, the decode graphs'
+buffers already hold all of it one token back: they move on by themselves on the device
+(DecodeBuffers.advance, as multi-step decode does), and the host sends only the input ids and the pages
+appended since (vLLM keeps a persistent batch for the same reason).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+
+
+def table_entries(tables: list[list[int]]):
+    """Every page of every block table at once: (row, column, page) flat, and each table's length."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    row = np.repeat(np.arange(len(tables)), lens)
+    col = np.arange(len(row)) - np.repeat(np.cumsum(lens) - lens, lens)
+    return row, col, np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=len(row)), lens
+
+
+def last_tokens(seqs) -> np.ndarray:
+    return np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
+
+
+def pack_decode(seqs, block_size: int) -> np.ndarray:
+    """[4 + width, R] int64: ids, positions, slots, lengths, then the block tables transposed (a column per
+    request, only as wide as the longest table; columns past a request's last page are never read)."""
+    P, R = block_size, len(seqs)
+    row, col, page, lens = table_entries([s.block_table for s in seqs])
+    packed = np.zeros((4 + int(lens.max()), R), dtype=np.int64)
+    packed[4 + col, row] = page
+    pos = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=R) - 1
+    packed[0] = last_tokens(seqs)
+    packed[1], packed[3] = pos, pos + 1
+    packed[2] = packed[4 + pos // P, np.arange(R)] * P + pos % P
+    return packed
+
+
+@dataclass
+class MovedOn:
+    """A decode step whose batch is the last one's, each request one token on."""
+    ids: np.ndarray       # int64 [R]: each row's input token (a PENDING one is fed on the device)
+    new_pages: np.ndarray  # int64 [3, k]: row, table column and page of each page appended since
+
+
+@dataclass
+class _Step:
+    seqs: list
+    tables: list[list[int]]  # the block table objects themselves: a freed sequence gets a new one
+    lens: np.ndarray
+    num_tokens: np.ndarray
+
+
+class DecodeTracker:
+    """Remembers the last decode step run from the graphs' buffers, to tell whether the next is the same
+    batch moved on. The runner forgets it whenever anything else writes those buffers."""
+
+    def __init__(self):
+        self.last: _Step | None = None
+
+    def forget(self) -> None:
+        self.last = None
+
+    def remember(self, seqs) -> None:
+        tables = [s.block_table for s in seqs]
+        self.last = _Step(list(seqs), tables, np.fromiter(map(len, tables), dtype=np.int64, count=len(tables)),
+                          np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs)))
+
+    def moved_on(self, seqs) -> MovedOn | None:
+        """The step's changes when `seqs` is the last step's batch, in order, each request one token further
+        and its block table only grown; else None (pack the whole batch)."""
+        last = self.last
+        if last is None or len(seqs) != len(last.seqs) or any(a is not b for a, b in zip(seqs, last.seqs)):
+            return None
+        tables = [s.block_table for s in seqs]
+        if any(a is not b for a, b in zip(tables, last.tables)):
+            return None
+        num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        if not (np.array_equal(num_tokens, last.num_tokens + 1) and (lens >= last.lens).all()):
+            return None
+        grown = np.nonzero(lens > last.lens)[0].tolist()
+        new = [(i, j, tables[i][j]) for i in grown for j in range(last.lens[i], lens[i])]
+        return MovedOn(last_tokens(seqs), np.asarray(new, dtype=np.int64).reshape(-1, 3).T.copy())

@@ -1,0 +1,81 @@
+"""The decode step's host inputs: a batch that only moved on one token is sent as its changes, and those
+changes, applied to the last step's buffers the way the device applies them, give the whole pack."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexengine.engine.decode_inputs import DecodeTracker, pack_decode
+
+P = 4
+
+
+def seq(num_tokens: int, pages: list[int]):
+    return types.SimpleNamespace(token_ids=list(range(100, 100 + num_tokens)), block_table=pages,
+                                 num_tokens=num_tokens)
+
+
+def step_on(s, new_page: int | None) -> None:
+    s.token_ids.append(len(s.token_ids) * 7 % 50)
+    s.num_tokens += 1
+    if new_page is not None:
+        s.block_table.append(new_page)
+
+
+def apply_on_device(packed: np.ndarray, moved, width: int) -> np.ndarray:
+    """What DecodeBuffers.advance and run_moved_on do to the buffers, in numpy."""
+    out = np.zeros((4 + width, packed.shape[1]), dtype=np.int64)
+    out[: packed.shape[0]] = packed
+    out[0] = moved.ids
+    out[1] += 1
+    out[3] += 1
+    row, col, page = moved.new_pages
+    out[4 + col, row] = page
+    R = np.arange(out.shape[1])
+    out[2] = out[4 + out[1] // P, R] * P + out[1] % P
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=6), st.integers(1, 12), st.data())
+def test_moved_on_reproduces_the_whole_pack(lengths, steps, data):
+    next_page = iter(range(1000))
+    seqs = [seq(n, [next(next_page) for _ in range(-(-n // P) + data.draw(st.integers(0, 1)))]) for n in lengths]
+    tracker = DecodeTracker()
+    assert tracker.moved_on(seqs) is None  # nothing remembered yet
+    buffers = pack_decode(seqs, P)
+    tracker.remember(seqs)
+    for _ in range(steps):
+        for s in seqs:  # a page when the next position needs one, sometimes one early (as a look-ahead would)
+            need = -(-(s.num_tokens + 1) // P) > len(s.block_table)
+            step_on(s, next(next_page) if need or data.draw(st.integers(0, 9)) == 0 else None)
+        moved = tracker.moved_on(seqs)
+        assert moved is not None
+        whole = pack_decode(seqs, P)
+        buffers = apply_on_device(buffers, moved, max(whole.shape[0], buffers.shape[0]) - 4)
+        np.testing.assert_array_equal(buffers[: whole.shape[0]], whole)
+        assert not buffers[whole.shape[0]:].any()
+        tracker.remember(seqs)
+
+
+def test_a_changed_batch_is_packed_whole():
+    a, b = seq(5, [1, 2]), seq(3, [3])
+    tracker = DecodeTracker()
+    tracker.remember([a, b])
+    step_on(a, None), step_on(b, None)
+    assert tracker.moved_on([b, a]) is None  # another order
+    assert tracker.moved_on([a]) is None  # a request left
+    step_on(a, None)
+    assert tracker.moved_on([a, b]) is None  # two tokens on: the buffers are one behind
+    tracker.remember([a, b])
+    step_on(a, None), step_on(b, None)
+    b.block_table = [3]  # freed and allocated again (preemption): a new table, whatever it holds
+    assert tracker.moved_on([a, b]) is None
+    tracker.remember([a, b])
+    step_on(a, None), step_on(b, None)
+    assert tracker.moved_on([a, b]) is not None
+    tracker.forget()
+    assert tracker.moved_on([a, b]) is None
