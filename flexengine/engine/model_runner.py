@@ -8,7 +8,6 @@ A step is three functions named for what they do:
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -28,10 +27,9 @@ from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_blocks, text_config, wanted_max_model_len,
                         workspace_tokens_wanted)
 from .layer_mods import apply_mod_overrides, mod_params
-from .logits_adjust import build_logits_adjust
 from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
-from .structured_outputs import fill_token_mask
 from .decode_inputs import DecodeTracker, pack_decode, table_entries
+from .sampling_inputs import SamplingInputs
 from .in_flight import InFlightStep, feed_inputs
 from ..parallel import agree_on_min, building_for, drive_workers, shift_layer_mods, start_tensor_parallel
 from .scheduler import ScheduledBatch
@@ -99,6 +97,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = text_config(self.hf_config).vocab_size
+        self.sampling = SamplingInputs(self.device, self.vocab_size)
         self.block_size = config.block_size
         self.mods = [(a.mask_mod, a.score_mod) for a in self.layers]
         self.mod_params = mod_params(self.mods)  # {name: its dtype, fixed here, and the mod reading it}
@@ -119,7 +118,6 @@ class ModelRunner:
             self.workspace_tokens = self.backend.workspace_pages * self.block_size
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
-        self._last_sampling: tuple[list[Sequence] | None, SamplingTensors | None] = (None, None)
 
         self.num_blocks = config.num_kv_blocks or agree_on_min(measure_num_blocks(self), self.tp)
         self.max_model_len = choose_max_model_len(config, self.hf_config, self.num_blocks)
@@ -217,7 +215,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=self.to_device(p.ids), positions=self.to_device(p.positions), meta=meta,
             sample_seqs=p.sample_seqs, sample_rows=self.to_device(p.sample_rows),
-            sampling=self.sampling_tensors(p.sample_seqs, prev) if sampling and p.sample_seqs else None)
+            sampling=self.sampling.tensors(p.sample_seqs, prev) if sampling and p.sample_seqs else None)
 
     def layout_padding(self, query_lens: list[int], seq_lens: list[int]) -> dict:
         """With static shapes, pad decode rows and prefill tiles to the compiled buckets (the split-KV
@@ -253,42 +251,6 @@ class ModelRunner:
         pad = [0] * max(0, rows - len(seqs))
         return {name: self.to_device(np.asarray([g.get(name, 0) for g in given] + pad, dtype=NUMPY_DTYPES[p.dtype]))
                 for name, p in sorted(self.mod_params.items())}
-
-    def sampling_tensors(self, seqs: list[Sequence], prev: InFlightStep | None = None) -> SamplingTensors:
-        """The rows' sampling parameters on the device; those of the last call when its sequences were
-        the same (decode steps of an unchanged batch: no transfer). prev: the step in flight, whose
-        samples are the rows' PENDING tokens (penalties count them)."""
-        last_seqs, last = self._last_sampling
-        if seqs == last_seqs:  # Sequence compares by identity
-            tensors = last
-        else:
-            tensors = self.build_sampling_tensors(seqs)
-            self._last_sampling = (list(seqs), tensors)
-        if tensors.grammar_rows:  # their matchers moved on: new masks every step
-            tensors = dataclasses.replace(tensors, token_mask=fill_token_mask(seqs, tensors.grammar_rows, self.device))
-        if not tensors.adjusts_logits:  # (known since the rows were set: no per-step scan)
-            return tensors
-        pending = None if prev is None else prev.feed(seqs, np.arange(len(seqs)), self.device)
-        adjust = build_logits_adjust(seqs, self.vocab_size, self.device, pending)  # histories grow: every step
-        return tensors if adjust is None else dataclasses.replace(tensors, adjust=adjust)
-
-    def build_sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        params = [s.params for s in seqs]
-        no_k = float(1 << 30)  # top_k "disabled": larger than any vocabulary
-        rows = np.asarray([(p.temperature, p.top_p, p.min_p, p.top_k if p.top_k > 0 else no_k) for p in params],
-                          dtype=np.float32).reshape(-1, 4)
-        packed = self.to_device(rows)  # one transfer for all four
-        any_top_k = any(p.top_k > 0 for p in params)
-        any_top_p = any(p.top_p < 1 for p in params)
-        any_min_p = any(p.min_p > 0 for p in params)
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        return SamplingTensors(
-            temperature=packed[:, 0], top_p=packed[:, 1] if any_top_p else None,
-            min_p=packed[:, 2] if any_min_p else None, top_k=packed[:, 3].long() if any_top_k else None,
-            generators=tuple(s.generator for s in seqs), all_greedy=all(p.temperature == 0 for p in params),
-            num_logprobs=max(asked) if asked else -1,
-            grammar_rows=tuple(i for i, s in enumerate(seqs) if s.grammar is not None),
-            adjusts_logits=any(p.adjusts_logits for p in params))
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         with fused_elementwise(self.compiled):  # this engine's setting, whatever other engines use
@@ -363,7 +325,7 @@ class ModelRunner:
         prev: the step launched before this one, whose samples are this step's PENDING input tokens."""
         if self.decode_with_graphs(batch):  # every row is a sequence's last token: no prompt token to score
             logits = self.decode_from_graphs(batch.seqs, prev)
-            return batch.seqs, self.sampler(logits, self.sampling_tensors(batch.seqs, prev)), None
+            return batch.seqs, self.sampler(logits, self.sampling.tensors(batch.seqs, prev)), None
         self.decode_tracker.forget()  # (the graphs' buffers stay as they are, but the batch moves on without them)
         p = self.pack_step(batch) if self.mixed_graphs is not None else None
         if p is not None and self.mixed_graphs.fits(p.layout):  # a step with prompt tokens, from a graph
@@ -373,7 +335,7 @@ class ModelRunner:
             inputs = StepInputs(  # the graph's buffers hold the model inputs
                 input_ids=None, positions=None, meta=None, sample_seqs=p.sample_seqs,
                 sample_rows=self.to_device(p.sample_rows),
-                sampling=self.sampling_tensors(p.sample_seqs, prev) if p.sample_seqs else None)
+                sampling=self.sampling.tensors(p.sample_seqs, prev) if p.sample_seqs else None)
         else:
             p = p or self.pack_step(batch)
             inputs = self.prepare_step(batch, packed=p, prev=prev)
@@ -398,7 +360,7 @@ class ModelRunner:
         → token ids [num_steps, n]. The scheduler made it only where the graphs serve every row."""
         assert self.decode_with_graphs(batch), "a multi-step batch the decode graphs cannot run"
         self.decode_tracker.forget()  # run_next moves the buffers on num_steps times
-        sampling = self.sampling_tensors(batch.seqs)
+        sampling = self.sampling.tensors(batch.seqs)
         tokens = [self.sampler(self.decode_graphs.run(*self.prepare_decode(batch.seqs)), sampling).token_ids]
         for _ in range(batch.num_steps - 1):
             tokens.append(self.sampler(self.decode_graphs.run_next(tokens[-1]), sampling).token_ids)
