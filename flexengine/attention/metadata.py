@@ -179,7 +179,7 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
     row_kv0 = np.where(live, kv0_req[row_req], DEAD_KV0)
 
     return StepLayout(
-        query_lens=[int(x) for x in ql], seq_lens=[int(x) for x in sl], num_tokens=T,
+        query_lens=ql.tolist(), seq_lens=sl.tolist(), num_tokens=T,
         num_decode=Bd, decode_splits=S, num_tiles=Tp, num_segments=Ns,
         span_req=np.concatenate([dreq, seg_req, z(seg_pad)]),
         span_q_lo=np.concatenate([dpos, seg_q_lo, z(seg_pad)]),
