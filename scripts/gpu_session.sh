@@ -3,14 +3,16 @@
 # longer fits is skipped, and says so). Logs land in $OUT (or ./bench_out); a summary comes last.
 #   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
 # Stages: tests (pytest -m gpu), tests_attention (the attention kernels' GPU tests), attention (kernel
-# table), attention_window (the same with sliding_window(1024) + softcap(30)), compare (flexengine vs transformers
-# generate_batch, 256 x 256 x 256), prompt_heavy (the same, 64 x 2048 x 16), long (16 x 6144 x 256),
-# long_context (8k-64k prompts' prefill vs transformers' forward), profile_long (one 64k prefill's kernels), throughput, latency (batch 1), eager (throughput and latency with
-# --enforce-eager), serve (scripts/serve_bench.sh), profile (scripts/profile_step.py, with
-# PROFILE_ARGS), fa4 (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU
-# tests; later stages still run without it), flash (throughput and latency with FA4 on the path:
-# --attention-backend flex, auto, flash). The end-to-end stages run scripts/e2e_bench.sh, which holds
-# their commands (and takes ENGINE_ARGS).
+# table), attention_window (the same with sliding_window(1024) + softcap(30)), compare (flexengine vs
+# transformers generate_batch, 256 x 256 x 256), prompt_heavy (the same, 64 x 2048 x 16), long (16 x 6144 x
+# 256), long_context (8k-64k prompts' prefill vs transformers' forward), profile_long (one 64k prefill's
+# kernels), throughput, latency (batch 1), eager (throughput and latency with --enforce-eager), serve
+# (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), host
+# (scripts/step_host_time.py: host time of each step's inputs), softcap (scripts/softcap_probe.py), fa4
+# (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
+# still run without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto,
+# flash). The end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes
+# ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR. At the end
 # everything in $OUT is packed into $OUT/logs.tgz (the device tool brings back at most 8 files).
 set -u
@@ -87,6 +89,8 @@ for stage in ${*:-tests attention compare latency}; do
                step "fa4_$backend" "$left" env PYTHONPATH="$FA4_PATH" OUT="$OUT/fa4_$backend" STEPS="throughput latency" \
                  BUDGET="$left" ENGINE_ARGS="${ENGINE_ARGS:-} --attention-backend $backend" bash scripts/e2e_bench.sh
              done; fi ;;
+    host) model && step step_host_time 150 python3 scripts/step_host_time.py --model "$MODEL_DIR" ;;  # issue 15, item 3
+    softcap) step softcap_probe 200 python3 scripts/softcap_probe.py ;;  # what a softcap score mod costs in FA4
     profile) model && step profile 240 python3 scripts/profile_step.py --model "$MODEL_DIR" ${PROFILE_ARGS:-} ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
