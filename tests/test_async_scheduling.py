@@ -163,3 +163,24 @@ def test_graph_shaped_engine_same_tokens_as_without(gpu_shaped_engines):
         results[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
     assert results[True] == results[False]
     assert {r for _, r, _ in results[False]} == {"stop", "length"}
+
+
+def test_steady_decode_path_changes_no_token(gpu_shaped_engines, monkeypatch):
+    """With async scheduling (pending tokens fed on the device), decode steps that only send their changes
+    (engine/decode_inputs.py) give the tokens of steps that pack the whole batch every time."""
+    from flexengine.engine.decode_inputs import DecodeTracker
+    from test_cuda_graphs import mixed_traffic
+    prompts, params = mixed_traffic(n=10, max_len=60, max_tokens=30, temperature=0.8, top_k=20)
+    for i, p in enumerate(params):
+        p.seed, p.ignore_eos = i, False
+    outs, moved = {}, []
+    for steady in (True, False):
+        if not steady:
+            monkeypatch.setattr(DecodeTracker, "moved_on", lambda self, seqs: None)
+        llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=64, async_scheduling=True)
+        graphs = llm.llm_engine.runner.decode_graphs
+        run_moved_on = graphs.run_moved_on
+        graphs.run_moved_on = lambda *a: moved.append(steady) or run_moved_on(*a)
+        outs[steady] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert moved and set(moved) == {True}  # the steady path ran, and only where it was on
+    assert outs[True] == outs[False]
