@@ -176,7 +176,8 @@ def test_steady_decode_path_changes_no_token(gpu_shaped_engines, monkeypatch):
     outs, moved = {}, []
     for steady in (True, False):
         if not steady:
-            monkeypatch.setattr(DecodeTracker, "moved_on", lambda self, seqs: None)
+            next_step = DecodeTracker.next_step
+            monkeypatch.setattr(DecodeTracker, "next_step", lambda self, seqs: next_step(self, seqs) and None)
         llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=64, async_scheduling=True)
         graphs = llm.llm_engine.runner.decode_graphs
         run_moved_on = graphs.run_moved_on

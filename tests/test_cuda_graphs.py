@@ -49,14 +49,17 @@ def test_decode_moved_on_matches_the_ordinary_step():
     r.decode_graphs = DecodeGraphRunner(
         r.forward_logits, r.backend, r.mods, max_num_seqs=4, block_size=4, num_blocks=r.num_blocks + 1,
         table_width=r.table_width, num_kv_heads=r.num_kv_heads, params={}, scratch_slot=r.num_blocks * 4, device="cpu")
+    graphs_moved, run_moved_on = [], r.decode_graphs.run_moved_on
+    r.decode_graphs.run_moved_on = lambda *a: graphs_moved.append(1) or run_moved_on(*a)
     seqs = [fake_seq(0, 6, [3, 9]), fake_seq(1, 3, [7]), fake_seq(2, 8, [12, 1])]
     free, moved = iter(range(20, 32)), []
     for step in range(7):
         with torch.inference_mode():
             inputs = r.prepare_step(ScheduledBatch(seqs, [1] * len(seqs)), sampling=False)
             expected = r.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
-            moved.append(r.decode_tracker.moved_on(seqs) is not None)
+            calls = len(graphs_moved)
             got = r.decode_from_graphs(seqs, None)
+            moved.append(len(graphs_moved) > calls)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         for s in seqs:  # one token on; a new page where the next position starts one
             s.token_ids.append((5 * step + s.num_tokens) % 200 + 1)
@@ -64,7 +67,7 @@ def test_decode_moved_on_matches_the_ordinary_step():
             if (s.num_tokens - 1) // 4 >= len(s.block_table):
                 s.block_table.append(next(free))
     assert moved == [False] + [True] * 6
-    assert r.decode_tracker.moved_on(seqs[:2]) is None
+    assert r.decode_tracker.next_step(seqs[:2]) is None  # a changed batch is packed whole
 
 
 def chunk_seq(i, n, computed, pages):

@@ -45,37 +45,36 @@ def test_moved_on_reproduces_the_whole_pack(lengths, steps, data):
     next_page = iter(range(1000))
     seqs = [seq(n, [next(next_page) for _ in range(-(-n // P) + data.draw(st.integers(0, 1)))]) for n in lengths]
     tracker = DecodeTracker()
-    assert tracker.moved_on(seqs) is None  # nothing remembered yet
+    assert tracker.next_step(seqs) is None  # nothing held yet: the whole pack
     buffers = pack_decode(seqs, P)
-    tracker.remember(seqs)
     for _ in range(steps):
         for s in seqs:  # a page when the next position needs one, sometimes one early (as a look-ahead would)
             need = -(-(s.num_tokens + 1) // P) > len(s.block_table)
             step_on(s, next(next_page) if need or data.draw(st.integers(0, 9)) == 0 else None)
-        moved = tracker.moved_on(seqs)
+        moved = tracker.next_step(seqs)
         assert moved is not None
         whole = pack_decode(seqs, P)
         buffers = apply_on_device(buffers, moved, max(whole.shape[0], buffers.shape[0]) - 4)
         np.testing.assert_array_equal(buffers[: whole.shape[0]], whole)
         assert not buffers[whole.shape[0]:].any()
-        tracker.remember(seqs)
 
 
 def test_a_changed_batch_is_packed_whole():
     a, b = seq(5, [1, 2]), seq(3, [3])
     tracker = DecodeTracker()
-    tracker.remember([a, b])
+    assert tracker.next_step([a, b]) is None
     step_on(a, None), step_on(b, None)
-    assert tracker.moved_on([b, a]) is None  # another order
-    assert tracker.moved_on([a]) is None  # a request left
+    assert tracker.next_step([b, a]) is None  # another order (now held: b, a)
+    assert tracker.next_step([a]) is None  # a request left
     step_on(a, None)
-    assert tracker.moved_on([a, b]) is None  # two tokens on: the buffers are one behind
-    tracker.remember([a, b])
-    step_on(a, None), step_on(b, None)
-    b.block_table = [3]  # freed and allocated again (preemption): a new table, whatever it holds
-    assert tracker.moved_on([a, b]) is None
-    tracker.remember([a, b])
-    step_on(a, None), step_on(b, None)
-    assert tracker.moved_on([a, b]) is not None
+    assert tracker.next_step([a]) is not None
+    step_on(a, None), step_on(a, None)
+    assert tracker.next_step([a]) is None  # two tokens on: the buffers are one behind
+    step_on(a, None)
+    a.block_table = [1, 2]  # freed and allocated again (preemption): a new table, whatever it holds
+    assert tracker.next_step([a]) is None
+    step_on(a, None)
+    assert tracker.next_step([a]) is not None
     tracker.forget()
-    assert tracker.moved_on([a, b]) is None
+    step_on(a, None)
+    assert tracker.next_step([a]) is None

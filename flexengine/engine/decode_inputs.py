@@ -57,7 +57,7 @@ class _Step:
 
 
 class DecodeTracker:
-    """Remembers the last decode step run from the graphs' buffers, to tell whether the next is the same
+    """Remembers the batch the decode graphs' buffers hold, to tell whether the next decode step is that
     batch moved on. The runner forgets it whenever anything else writes those buffers."""
 
     def __init__(self):
@@ -66,23 +66,17 @@ class DecodeTracker:
     def forget(self) -> None:
         self.last = None
 
-    def remember(self, seqs) -> None:
+    def next_step(self, seqs) -> MovedOn | None:
+        """Record `seqs` as the batch the buffers hold after this step. Returns the step's changes when
+        `seqs` is the last step's batch, in order, each request one token further and its block table only
+        grown; else None (pack the whole batch)."""
         tables = [s.block_table for s in seqs]
-        self.last = _Step(list(seqs), tables, np.fromiter(map(len, tables), dtype=np.int64, count=len(tables)),
-                          np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs)))
-
-    def moved_on(self, seqs) -> MovedOn | None:
-        """The step's changes when `seqs` is the last step's batch, in order, each request one token further
-        and its block table only grown; else None (pack the whole batch)."""
-        last = self.last
-        if last is None or len(seqs) != len(last.seqs) or any(a is not b for a, b in zip(seqs, last.seqs)):
-            return None
-        tables = [s.block_table for s in seqs]
-        if any(a is not b for a, b in zip(tables, last.tables)):
-            return None
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-        if not (np.array_equal(num_tokens, last.num_tokens + 1) and (lens >= last.lens).all()):
+        last, self.last = self.last, _Step(list(seqs), tables, lens, num_tokens)
+        if (last is None or len(seqs) != len(last.seqs) or any(a is not b for a, b in zip(seqs, last.seqs))
+                or any(a is not b for a, b in zip(tables, last.tables))
+                or not (np.array_equal(num_tokens, last.num_tokens + 1) and (lens >= last.lens).all())):
             return None
         grown = np.nonzero(lens > last.lens)[0].tolist()
         new = [(i, j, tables[i][j]) for i in grown for j in range(last.lens[i], lens[i])]

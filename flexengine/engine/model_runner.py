@@ -297,7 +297,7 @@ class ModelRunner:
     def decode_from_graphs(self, seqs: list[Sequence], prev: InFlightStep | None) -> torch.Tensor:
         """Logits of a pure decode step from the decode graphs; when the batch is the last one's moved on one
         token, only the ids and new pages go to the device (decode_inputs.py)."""
-        moved = self.decode_tracker.moved_on(seqs)
+        moved = self.decode_tracker.next_step(seqs)
         fed = self.feed(prev, seqs, range(len(seqs)))
         if moved is None:
             ids, *rest = self.prepare_decode(seqs)
@@ -307,7 +307,6 @@ class ModelRunner:
             ids = self.to_device(moved.ids)
             feed_inputs(ids, fed)
             logits = self.decode_graphs.run_moved_on(ids, moved.new_pages)
-        self.decode_tracker.remember(seqs)
         return logits
 
     def decode_with_graphs(self, batch: ScheduledBatch) -> bool:
