@@ -4,9 +4,11 @@
 
 Runs an offline workload through `LLM.generate` and times, per step, the host functions that turn the
 scheduled batch into device inputs (medians and p90 over the steps of each kind, µs):
-- decode steps from a CUDA graph: `prepare_decode` (ids, positions, slots, lengths, tables: one copy) and
-  `DecodeGraphRunner.run` (copies into the graph's buffers and the replay; the page map, page lists and
-  BlockMasks are built inside the graph);
+- decode steps from a CUDA graph: `decode_from_graphs`, the whole host side of one (the page map, page
+  lists and BlockMasks are built inside the graph). Of it: `DecodeTracker.next_step` (is the batch the
+  last one moved on?), then either `prepare_decode` (ids, positions, slots, lengths, tables: one copy)
+  and `DecodeGraphRunner.run` (copies into the graph's buffers, replay), or, in the steady state,
+  `DecodeGraphRunner.run_moved_on` (the ids and new pages, the buffers advance on the device, replay);
 - steps with prompt tokens from a mixed graph: `pack_step` (of which `plan_layout`: where each query
   sits) and `MixedGraphRunner.run` (one packed copy, the tables, the replay; metadata inside the graph);
 - steps too large for a graph: `pack_step` and `prepare_step`, whose metadata is built by eager launches.
@@ -46,17 +48,23 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     args = p.parse_args()
-    llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "float32", max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "float32",
+              max_num_batched_tokens=args.max_num_batched_tokens)
     runner = llm.llm_engine.runner
     times = collections.defaultdict(list)
-    runner.prepare_decode = timed(times["prepare_decode"], runner.prepare_decode)
-    runner.pack_step = timed(times["pack_step"], runner.pack_step)
-    runner.prepare_step = timed(times["prepare_step (eager metadata)"], runner.prepare_step)
-    model_runner.plan_layout = timed(times["  of which plan_layout"], model_runner.plan_layout)
+    # (the table lists them in this order: each step kind, then what it is made of)
+    runner.decode_from_graphs = timed(times["decode_from_graphs (a whole decode step)"], runner.decode_from_graphs)
+    runner.decode_tracker.next_step = timed(times["  of which DecodeTracker.next_step"], runner.decode_tracker.next_step)
+    runner.prepare_decode = timed(times["  of which prepare_decode"], runner.prepare_decode)
     if runner.decode_graphs is not None:
-        runner.decode_graphs.run = timed(times["DecodeGraphRunner.run"], runner.decode_graphs.run)
+        graphs = runner.decode_graphs
+        graphs.run = timed(times["  of which DecodeGraphRunner.run"], graphs.run)
+        graphs.run_moved_on = timed(times["  of which DecodeGraphRunner.run_moved_on"], graphs.run_moved_on)
+    runner.pack_step = timed(times["pack_step (steps with prompt tokens)"], runner.pack_step)
+    model_runner.plan_layout = timed(times["  of which plan_layout"], model_runner.plan_layout)
     if runner.mixed_graphs is not None:
-        runner.mixed_graphs.run = timed(times["MixedGraphRunner.run"], runner.mixed_graphs.run)
+        runner.mixed_graphs.run = timed(times["then MixedGraphRunner.run"], runner.mixed_graphs.run)
+    runner.prepare_step = timed(times["or prepare_step (eager metadata)"], runner.prepare_step)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, seed=0)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     for t in times.values():
