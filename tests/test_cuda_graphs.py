@@ -23,14 +23,20 @@ def fake_seq(i, n, pages):
     return s
 
 
+def cpu_decode_graphs(r, max_num_seqs: int) -> DecodeGraphRunner:
+    """The decode-graph runner over an eager CPU runner's model and cache, run without graphs."""
+    P = r.block_size
+    return DecodeGraphRunner(r.forward_logits, r.backend, r.mods, max_num_seqs=max_num_seqs, block_size=P,
+                             num_blocks=r.num_blocks + 1, table_width=r.table_width, num_kv_heads=r.num_kv_heads,
+                             params={}, scratch_slot=r.num_blocks * P, device="cpu")
+
+
 def test_static_buffer_decode_matches_the_ordinary_step():
     """The captured function, run eagerly: padded rows (bucket 4 for 3 requests), reused buffers."""
     llm = LLM(block_size=8, num_kv_blocks=32, enforce_eager=True)
     r = llm.llm_engine.runner
     llm.generate(["warm the cache up"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    g = DecodeGraphRunner(r.forward_logits, r.backend, r.mods, max_num_seqs=4, block_size=8,
-                          num_blocks=r.num_blocks + 1, table_width=r.table_width, num_kv_heads=r.num_kv_heads,
-                          params={}, scratch_slot=r.num_blocks * 8, device="cpu")
+    g = cpu_decode_graphs(r, max_num_seqs=4)
     for seqs in ([fake_seq(0, 20, [3, 9, 4]), fake_seq(1, 5, [7]), fake_seq(2, 9, [12, 1])],
                  [fake_seq(3, 1, [5])]):
         with torch.inference_mode():
@@ -46,9 +52,7 @@ def test_decode_moved_on_matches_the_ordinary_step():
     llm = LLM(block_size=4, num_kv_blocks=32, enforce_eager=True)
     r = llm.llm_engine.runner
     llm.generate(["warm the cache up"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    r.decode_graphs = DecodeGraphRunner(
-        r.forward_logits, r.backend, r.mods, max_num_seqs=4, block_size=4, num_blocks=r.num_blocks + 1,
-        table_width=r.table_width, num_kv_heads=r.num_kv_heads, params={}, scratch_slot=r.num_blocks * 4, device="cpu")
+    r.decode_graphs = cpu_decode_graphs(r, max_num_seqs=4)
     graphs_moved, run_moved_on = [], r.decode_graphs.run_moved_on
     r.decode_graphs.run_moved_on = lambda *a: graphs_moved.append(1) or run_moved_on(*a)
     seqs = [fake_seq(0, 6, [3, 9]), fake_seq(1, 3, [7]), fake_seq(2, 8, [12, 1])]

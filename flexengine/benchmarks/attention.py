@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.backends.flex import FlexBackend
-from ..attention.metadata import build_metadata, choose_decode_splits, plan_layout
+from ..attention.metadata import build_metadata, choose_decode_splits, plan_layout, workspace_tokens
 from ..compile import compile_count
 from .. import masks
 from .common import write_json
@@ -107,7 +107,7 @@ def captured_flex_call(seq_lens, query_lens, page, Hq, Hkv, D, device, mods):
         return meta
 
     # the prefill workspace reserved once, as the engine does (a fresh zeroed one per call is the functional API's)
-    ws_pages = len(plan_layout(query_lens, seq_lens, block_size=page).ws_req)
+    ws_pages = workspace_tokens(query_lens, seq_lens, page) // page
     if ws_pages:
         backend.reserve_workspace(ws_pages, page, Hkv, D, torch.bfloat16, device)
     meta = build()

@@ -176,11 +176,11 @@ class ModelRunner:
         positions = np.repeat(starts, query_lens) + np.arange(T) - np.repeat(ends - query_lens, query_lens)
         # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long
         # contexts. The device side widens it where a fixed shape needs that (prepare_step).
-        row, col, page, lens = table_entries([s.block_table for s in seqs])
+        row, col, page, table_lens = table_entries([s.block_table for s in seqs])
         # With static shapes every per-request tensor the kernels read has max_num_seqs rows (padding:
         # length 0, no pages), so the request count never changes a compiled shape.
         rows = max(R, self.config.max_num_seqs) if self.static_shapes else R
-        tables = np.zeros((rows, int(lens.max())), dtype=np.int32)
+        tables = np.zeros((rows, int(table_lens.max())), dtype=np.int32)
         tables[row, col] = page
         slots = tables[req, positions // P].astype(np.int64) * P + positions % P
 
@@ -228,7 +228,8 @@ class ModelRunner:
         tiles = tile_bucket(-(-sum(query_lens) // Q_TILE)) if any(n > 1 for n in query_lens) else 0
         rows = bucket(num_decode, decode_buckets(self.config.max_num_seqs)) if num_decode else 0
         return dict(pad_decode_to=rows, pad_tiles_to=tiles,
-                    pad_segments_to=segment_capacity(tiles, self.config.max_num_seqs), decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device),
+                    pad_segments_to=segment_capacity(tiles, self.config.max_num_seqs),
+                    decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device),
                     block_size=self.block_size, pad_workspace_to=self.workspace_bucket(query_lens, seq_lens, tiles))
 
     def workspace_bucket(self, query_lens: list[int], seq_lens: list[int], tiles: int) -> int:
@@ -302,12 +303,10 @@ class ModelRunner:
         if moved is None:
             ids, *rest = self.prepare_decode(seqs)
             feed_inputs(ids, fed)
-            logits = self.decode_graphs.run(ids, *rest)
-        else:
-            ids = self.to_device(moved.ids)
-            feed_inputs(ids, fed)
-            logits = self.decode_graphs.run_moved_on(ids, moved.new_pages)
-        return logits
+            return self.decode_graphs.run(ids, *rest)
+        ids = self.to_device(moved.ids)
+        feed_inputs(ids, fed)
+        return self.decode_graphs.run_moved_on(ids, moved.new_pages)
 
     def decode_with_graphs(self, batch: ScheduledBatch) -> bool:
         g = self.decode_graphs
