@@ -11,14 +11,24 @@ ones, round robin) and runs as many prompts unconstrained in the same process, e
 number of tokens its constrained twin produced (a grammar ends a request at its EOS, up to --output-len),
 so the two runs do the same model work and their ratio is the grammar's cost. The constrained run is timed
 from its first add_request, so the compiles of its new schemas are inside it; their times are stated.
+
+--penalties gives every request repetition_penalty 1.1, presence and frequency penalties 0.5 and a 10-token
+logit_bias, and runs as many other prompts with plain sampling, same lengths, same process: their ratio is
+what the logits processors cost.
+
+--prompt-logprobs K is lm-eval's loglikelihood request (max_tokens=1, prompt_logprobs=K; K = 1 is lm-eval's)
+against the plain prefill of as many other prompts of the same length: prompt tokens/s of each, and their ratio.
+The three modes exclude one another.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 
-from .common import (add_engine_arguments, as_requests, build_llm, compiled_graphs, device_name, engine_mode,
-                     generate_fixed, random_prompts, timed, warm_up, write_json)
+import numpy as np
+
+from .common import (add_engine_arguments, as_requests, build_llm, check_lengths, compiled_graphs, device_name,
+                     engine_mode, generate_fixed, random_prompts, timed, warm_up, write_json)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,9 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=256, help="generated tokens per request")
     p.add_argument("--temperature", type=float, default=1.0, help="1.0 as vLLM's benchmark; 0 is greedy")
-    p.add_argument("--json-schemas", type=int, default=0, metavar="N",
-                   help="structured outputs: every request under one of N distinct JSON schemas (1: all the "
-                        "same), against the same requests unconstrained in the same run (needs xgrammar)")
+    modes = p.add_mutually_exclusive_group()  # each compares two runs of its own; argparse rejects two
+    modes.add_argument("--json-schemas", type=int, default=0, metavar="N",
+                       help="structured outputs: every request under one of N distinct JSON schemas (1: all the "
+                            "same), against the same requests unconstrained in the same run (needs xgrammar)")
+    modes.add_argument("--penalties", action="store_true",
+                       help="every request with repetition, presence and frequency penalties and a 10-token "
+                            "logit_bias, against plain sampling of as many other prompts in the same run")
+    modes.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                       help="lm-eval's loglikelihood shape: max_tokens=1 (--output-len does not apply) and "
+                            "prompt_logprobs=K, against plain prefill of as many other prompts in the same run")
     add_engine_arguments(p)
 
 
@@ -38,6 +55,10 @@ def main(args) -> int:
     prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, args.seed)
     if args.json_schemas > 0:
         return structured_main(args, llm, prompts)
+    if args.penalties:
+        return penalties_main(args, llm, prompts)
+    if args.prompt_logprobs is not None:
+        return prompt_logprobs_main(args, llm, prompts)
     graphs_before = compiled_graphs()
     elapsed = generate_fixed(llm, prompts, args.output_len, args.temperature)
     recompiles = compiled_graphs() - graphs_before
@@ -108,6 +129,62 @@ def structured_main(args, llm, prompts) -> int:
         constrained_s=constrained_s, unconstrained_s=free_s, constrained_tokens_per_s=tokens / constrained_s,
         unconstrained_tokens_per_s=tokens / free_s, ratio=free_s / constrained_s, compile_s=compile_s,
         ttft_median_s=ttft))
+    return 0
+
+
+def bench_logit_bias(vocab_size: int, seed: int) -> dict[int, float]:
+    """10 distinct token ids from the vocabulary, biased +5 and -5 in turn."""
+    ids = np.random.default_rng(seed).choice(vocab_size, size=10, replace=False).tolist()
+    return {t: 5.0 if i % 2 else -5.0 for i, t in enumerate(ids)}
+
+
+def penalties_main(args, llm, prompts) -> int:
+    from flexengine import SamplingParams
+    n, vocab = args.num_prompts, llm.llm_engine.vocab_size
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature,
+                            repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
+                            logit_bias=bench_logit_bias(vocab, args.seed))
+    outs, penalised_s = timed(llm.generate, as_requests(prompts), params, use_tqdm=False)
+    check_lengths([len(o.outputs[0].token_ids) for o in outs], n, args.output_len, "penalised")
+    # other prompts of the same length: the penalised run's pages would be prefix-cache hits
+    twins = random_prompts(n, args.input_len, vocab, args.seed + 1)
+    plain_s = generate_fixed(llm, twins, args.output_len, args.temperature)
+    tokens = n * args.output_len
+    print(f"# flexengine throughput, penalties | {device_name()} | {args.model or 'embedded default model'} | "
+          f"{engine_mode(llm)} | {n} prompts x {args.input_len} in x {args.output_len} out")
+    print(f"Penalised (repetition 1.1, presence 0.5, frequency 0.5, 10-token logit_bias): "
+          f"{tokens / penalised_s:.2f} output tokens/s ({penalised_s:.2f} s)")
+    print(f"Plain, same lengths: {tokens / plain_s:.2f} output tokens/s ({plain_s:.2f} s)")
+    print(f"Ratio penalised / plain: {plain_s / penalised_s:.3f}")
+    write_json(args.json_out, dict(
+        bench="throughput_penalties", device=device_name(), model=args.model, num_prompts=n,
+        input_len=args.input_len, output_len=args.output_len, output_tokens=tokens, penalised_s=penalised_s,
+        plain_s=plain_s, penalised_tokens_per_s=tokens / penalised_s, plain_tokens_per_s=tokens / plain_s,
+        ratio=plain_s / penalised_s))
+    return 0
+
+
+def prompt_logprobs_main(args, llm, prompts) -> int:
+    from flexengine import SamplingParams
+    n, k, vocab = args.num_prompts, args.prompt_logprobs, llm.llm_engine.vocab_size
+    scored = SamplingParams(max_tokens=1, ignore_eos=True, temperature=args.temperature, prompt_logprobs=k)
+    outs, scored_s = timed(llm.generate, as_requests(prompts), scored, use_tqdm=False)
+    # one entry per prompt token, None only for the first: a run that scored nothing must not pass
+    assert all(o.prompt_logprobs is not None and len(o.prompt_logprobs) == args.input_len
+               and None not in o.prompt_logprobs[1:] for o in outs), "every output must carry its prompt's logprobs"
+    twins = random_prompts(n, args.input_len, vocab, args.seed + 1)  # no prefix-cache hits on the first run's
+    plain_s = generate_fixed(llm, twins, 1, args.temperature)
+    tokens = n * args.input_len
+    print(f"# flexengine throughput, prompt logprobs | {device_name()} | {args.model or 'embedded default model'} "
+          f"| {engine_mode(llm)} | {n} prompts x {args.input_len} in x 1 out | prompt_logprobs={k}")
+    print(f"With prompt logprobs: {tokens / scored_s:.2f} prompt tokens/s ({scored_s:.2f} s)")
+    print(f"Plain prefill: {tokens / plain_s:.2f} prompt tokens/s ({plain_s:.2f} s)")
+    print(f"Ratio prompt logprobs / plain: {plain_s / scored_s:.3f}")
+    write_json(args.json_out, dict(
+        bench="throughput_prompt_logprobs", device=device_name(), model=args.model, num_prompts=n,
+        input_len=args.input_len, prompt_logprobs=k, prompt_tokens=tokens, prompt_logprobs_s=scored_s,
+        plain_s=plain_s, prompt_logprobs_tokens_per_s=tokens / scored_s, plain_tokens_per_s=tokens / plain_s,
+        ratio=plain_s / scored_s))
     return 0
 
 

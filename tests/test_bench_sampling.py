@@ -1,0 +1,36 @@
+"""`flexengine bench throughput --penalties` and `--prompt-logprobs K` (issue 20's GPU targets), at tiny sizes
+on the CPU: they run, count their tokens exactly, and exclude one another and --json-schemas."""
+import json
+
+import pytest
+
+from flexengine import cli
+
+TINY = ["bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--attention-backend", "reference",
+        "--num-kv-blocks", "32"]
+
+
+def run_bench(tmp_path, *flags) -> dict:
+    out_json = tmp_path / "bench.json"
+    assert cli.main([*TINY, *flags, "--json-out", str(out_json)]) == 0
+    return json.loads(out_json.read_text())
+
+
+def test_penalties_benchmark(tmp_path):
+    result = run_bench(tmp_path, "--output-len", "6", "--penalties")
+    assert result["bench"] == "throughput_penalties" and result["output_tokens"] == 4 * 6
+    assert result["ratio"] > 0 and result["penalised_tokens_per_s"] > 0 and result["plain_tokens_per_s"] > 0
+
+
+def test_prompt_logprobs_benchmark(tmp_path):
+    result = run_bench(tmp_path, "--prompt-logprobs", "1")
+    assert result["bench"] == "throughput_prompt_logprobs" and result["prompt_logprobs"] == 1
+    assert result["prompt_tokens"] == 4 * 8 and result["ratio"] > 0
+
+
+@pytest.mark.parametrize("flags", [["--penalties", "--prompt-logprobs", "1"], ["--json-schemas", "1", "--penalties"],
+                                   ["--json-schemas", "16", "--prompt-logprobs", "1"]])
+def test_benchmark_modes_exclude_one_another(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*TINY, *flags])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
