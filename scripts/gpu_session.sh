@@ -11,8 +11,10 @@
 # (scripts/step_host_time.py: host time of each step's inputs), softcap (scripts/softcap_probe.py), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
 # still run without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto,
-# flash). The end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes
-# ENGINE_ARGS).
+# flash), sampling (issue 20's sampling targets, `bench throughput` on the checkpoint: --json-schemas 1 and 16
+# and --penalties at 256 x 256 x 256, --prompt-logprobs 1 at 1000 x 256 x 1; JSON in $OUT/sampling_*.json; the
+# carried xgrammar, apache-tvm-ffi and what else the box lacks go to /tmp/sampling_site, on the path of these
+# runs only). The end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR. At the end
 # everything in $OUT is packed into $OUT/logs.tgz (the device tool brings back at most 8 files).
 set -u
@@ -55,6 +57,23 @@ e2e() {
   step "e2e_${1}" "$left" env STEPS="$*" BUDGET="$left" bash scripts/e2e_bench.sh
 }
 
+# sampling_bench NAME FLAGS...: bench throughput on the checkpoint, with the carried wheels on the path (xgrammar)
+sampling_bench() {
+  local name=sampling_$1; shift
+  step "$name" 200 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 -m flexengine.cli bench \
+    throughput --model "$MODEL_DIR" --dtype bfloat16 "$@" ${ENGINE_ARGS:-} --json-out "$OUT/$name.json"
+}
+
+# carried_site DIR: the carried wheels (.whl/, scripts/serve_wheels.sh) that the box lacks or has older, in DIR
+carried_site() {
+  local newer
+  rm -rf "$1"  # a warm box keeps the last call's
+  compgen -G ".whl/*.whl" >/dev/null || return 0
+  mapfile -t newer < <(python3 scripts/newer_wheels.py .whl/*.whl)
+  (( ${#newer[@]} == 0 )) || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target "$1" "${newer[@]}"
+}
+
 for stage in ${*:-tests attention compare latency}; do
   case $stage in
     tests) step gpu_tests 520 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short tests ;;
@@ -91,6 +110,13 @@ for stage in ${*:-tests attention compare latency}; do
              done; fi ;;
     host) model && step step_host_time 150 python3 scripts/step_host_time.py --model "$MODEL_DIR" ;;  # issue 15, item 3
     softcap) step softcap_probe 200 python3 scripts/softcap_probe.py ;;  # what a softcap score mod costs in FA4
+    sampling) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1 ||
+             STATUS+=("sampling: carried wheels failed to install (install.log); runs without them")
+           sizes=(--num-prompts 256 --input-len 256 --output-len 256)
+           sampling_bench json_schemas_1 "${sizes[@]}" --json-schemas 1  # issue 20: >= 0.85x unconstrained
+           sampling_bench json_schemas_16 "${sizes[@]}" --json-schemas 16
+           sampling_bench penalties "${sizes[@]}" --penalties  # >= 0.95x plain
+           sampling_bench prompt_logprobs --num-prompts 1000 --input-len 256 --output-len 1 --prompt-logprobs 1; } ;;  # >= 0.9x
     profile) model && step profile 240 python3 scripts/profile_step.py --model "$MODEL_DIR" ${PROFILE_ARGS:-} ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

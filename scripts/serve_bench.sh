@@ -10,21 +10,8 @@ OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-/tmp/llama1b}; PORT=${PORT:-8123};
 mkdir -p "$OUT"
 WHEELS=${WHEELS:-.whl}  # the GPU box has no network: serve's wheels come from scripts/serve_wheels.sh
 if compgen -G "$WHEELS/*.whl" >/dev/null && ! $PY -c "import fastapi, uvicorn" 2>/dev/null; then
-  # Only the wheels newer than what the box has: /tmp/serve_site comes first on the path, and an older
-  # carried typing_extensions there broke the box's anyio.
-  mapfile -t newer < <($PY - "$WHEELS"/*.whl <<'PY'
-import importlib.metadata, pathlib, sys
-from packaging.version import Version
-for whl in sys.argv[1:]:
-    name, version = pathlib.Path(whl).name.split("-")[:2]
-    try:
-        if Version(importlib.metadata.version(name)) >= Version(version):
-            continue
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    print(whl)
-PY
-)
+  # Only the wheels newer than what the box has: /tmp/serve_site comes first on the path.
+  mapfile -t newer < <($PY scripts/newer_wheels.py "$WHEELS"/*.whl)
   rm -rf /tmp/serve_site  # a warm box keeps the last call's
   (( ${#newer[@]} )) && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/serve_site "${newer[@]}"
