@@ -9,6 +9,8 @@ dtypes) is part of its key.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from dataclasses import dataclass
 
@@ -77,6 +79,21 @@ def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
     backend.prepare(meta, mods)
 
 
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool) -> None:
+    """torch.cuda.graph with the garbage collector paused. A collection inside a capture can free an
+    engine the user dropped (a lazy import's traceback cycle can hold one), and destroying its CUDA graphs
+    is an operation CUDA refuses while a stream captures: the capture is lost (found on the H100)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class DecodeGraphRunner:
     """Captures and replays decode steps of `run_model(input_ids, positions, meta) -> logits`."""
 
@@ -131,6 +148,7 @@ class DecodeGraphRunner:
                 self.step(bs)
             self.capture_seconds = time.perf_counter() - start
             return
+        gc.collect()  # what dropped engines hold goes now, not inside a capture
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self.pool = torch.cuda.graph_pool_handle()
@@ -138,7 +156,7 @@ class DecodeGraphRunner:
             self.step(bs)  # compile and autotune outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with graph_capture(graph, self.pool):
                 self.logits[self.key(bs)] = self.step(bs)
             self.graphs[self.key(bs)] = graph
         torch.cuda.synchronize(self.device)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..attention.metadata import KV_TILE, LAYOUT_FIELDS, Q_TILE, StepLayout, copy_into, metadata_on_device
+from .cuda_graphs import graph_capture
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class MixedGraphRunner:
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with graph_capture(graph, self.pool):
             self.hidden[key] = self.forward(key)
         self.graphs[key] = graph
         seconds = time.perf_counter() - start

@@ -6,6 +6,7 @@ context, or what the pool holds when that is less (said in one warning).
 """
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -98,6 +99,7 @@ def profile_kv_budget(runner) -> int:
     num_seqs = max(min(cfg.max_num_seqs, T), -(-T // longest))
     lens = [T // num_seqs + (i < T % num_seqs) for i in range(num_seqs)]
     scratch_blocks = sum(-(-n // P) for n in lens) + 1
+    gc.collect()  # an engine the user dropped may sit in a reference cycle, holding its KV cache
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
