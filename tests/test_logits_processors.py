@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flexengine import LLM, SamplingParams
-from flexengine.engine.logits_adjust import build_logits_adjust
-from flexengine.engine.sequence import Sequence
+from flexengine.engine.logits_adjust import LogitsAdjuster, build_logits_adjust
+from flexengine.engine.sequence import PENDING, Sequence
 from flexengine.layers.sampler import apply_adjust
 from test_models_parity import make_checkpoint, random_prompt
 
@@ -55,6 +55,49 @@ def test_adjust_matches_the_plain_formulas(rows, seed):
     for i, (p, prompt, output) in enumerate(rows):
         want = plain_adjust(logits[i].tolist(), prompt, output, p, set(p.stop_token_ids))
         assert got[i].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.lists(st.tuples(params_st, st.lists(st.integers(0, V - 1), min_size=1, max_size=5)), min_size=1,
+                     max_size=5),
+       steps=st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True),
+                                st.lists(st.integers(0, 2), min_size=5, max_size=5),
+                                st.lists(st.integers(0, V - 1), min_size=5, max_size=5), st.booleans()),
+                      min_size=1, max_size=8),
+       slots=st.integers(3, 5), seed=st.integers(0, 1000))
+def test_histories_kept_on_the_device_follow_a_schedule(rows, steps, slots, seed):
+    """Over steps whose batches change (sequences join, leave, come back, outnumber the slots), gain 0-2
+    tokens or a PENDING one whose value only the device has, the adjusted logits equal the plain formulas
+    over each whole history."""
+    seqs = []
+    for i, (p, prompt) in enumerate(rows):
+        seq = Sequence(request_id=str(i), index=0, token_ids=list(prompt), num_prompt_tokens=len(prompt), params=p)
+        seq.min_tokens_stops = frozenset(p.stop_token_ids)
+        seqs.append(seq)
+    adjuster = LogitsAdjuster(V, "cpu", slots)
+    gen = torch.Generator().manual_seed(seed)
+    for picked, grow, values, wait in steps:
+        batch = [seqs[i] for i in picked if i < len(seqs)][:slots]
+        truth = {}  # row → the value of its PENDING token
+        for row, seq in enumerate(batch):
+            seq.token_ids += [values[(row + j) % 5] for j in range(grow[row])]
+            if wait:
+                seq.token_ids.append(PENDING)
+                seq.num_pending, truth[row] = 1, values[row]
+        pending = None
+        if truth:
+            ids = torch.tensor([truth[r] for r in sorted(truth)])
+            pending = (None, ids) if len(truth) == len(batch) and seed % 2 else (torch.tensor(sorted(truth)), ids)
+        logits = torch.randn(len(batch), V, generator=gen)
+        adjust = adjuster(batch, pending)
+        got = logits if adjust is None else apply_adjust(logits, adjust)
+        for row, seq in enumerate(batch):  # the step's output arrives: PENDING becomes its value
+            if row in truth:
+                seq.token_ids[-1], seq.num_pending = truth[row], 0
+            p = seq.params
+            prompt, output = seq.token_ids[:seq.num_prompt_tokens], seq.token_ids[seq.num_prompt_tokens:]
+            want = plain_adjust(logits[row].tolist(), prompt, output, p, set(p.stop_token_ids))
+            assert got[row].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5), (row, seq.token_ids)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,11 @@
-"""One step's logits processors (penalties, logit_bias, min_tokens) from its sequences' histories:
-host lists → the device tensors of layers/sampler.LogitsAdjust. Built every step for the rows that ask
-(their history grows). With async scheduling a row's last token may still be PENDING on the host: its
-value is on the device (the step in flight sampled it), and it is counted there.
+"""One step's logits processors (penalties, logit_bias, min_tokens): host lists → the device tensors of
+layers/sampler.LogitsAdjust.
+
+Penalties read a request's whole history, which grows by a token a step. `PenaltyHistories` keeps each
+penalised sequence's token ids on the device, in a slot of its own, and a step sends only the tokens its
+rows gained since the last one; the sampler then applies the penalties at the history's positions, not
+over the vocabulary. With async scheduling a row's last token may still be PENDING on the host: its value
+is on the device (the step in flight sampled it) and is written into the slot there.
 """
 from __future__ import annotations
 
@@ -13,55 +17,143 @@ from ..layers.sampler import LogitsAdjust
 from .sequence import PENDING, Sequence
 
 
-def build_logits_adjust(seqs: list[Sequence], vocab_size: int, device,
-                        pending: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> LogitsAdjust | None:
-    """pending: (rows, token ids) on the device of the rows' PENDING tokens (InFlightStep.feed; rows None:
-    the leading rows in order), or None."""
-    params = [s.params for s in seqs]
-    if not any(p.adjusts_logits for p in params):
-        return None
-    N = len(seqs)
-    banned = [(i, t) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens
-              for t in s.min_tokens_stops]
-    bias = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
-    out = LogitsAdjust(
-        banned=tuple(to_device(np.asarray(banned, dtype=np.int64).T.copy(), device)) if banned else None,
-        bias=None)
-    if bias:
-        rows_ids = to_device(np.asarray([(i, t) for i, t, _ in bias], dtype=np.int64).T.copy(), device)
-        out.bias = (rows_ids[0], rows_ids[1], to_device(np.asarray([v for *_, v in bias], dtype=np.float32), device))
-    if any(p.repetition_penalty != 1 for p in params):
-        out.repetition = to_device(np.asarray([p.repetition_penalty for p in params], dtype=np.float32), device)
-        out.seen = torch.zeros(N, vocab_size, dtype=torch.bool, device=device)
-        rows, ids = history(seqs, [p.repetition_penalty != 1 for p in params], output_only=False)
-        out.seen[to_device(rows, device), to_device(ids, device)] = True
-        if pending is not None:
-            out.seen[pending_index(pending)] = True
-    if any(p.frequency_penalty or p.presence_penalty for p in params):
-        out.frequency = to_device(np.asarray([p.frequency_penalty for p in params], dtype=np.float32), device)
-        out.presence = to_device(np.asarray([p.presence_penalty for p in params], dtype=np.float32), device)
-        out.counts = torch.zeros(N, vocab_size, dtype=torch.float32, device=device)
-        rows, ids = history(seqs, [bool(p.frequency_penalty or p.presence_penalty) for p in params], output_only=True)
-        out.counts.index_put_((to_device(rows, device), to_device(ids, device)),
-                              torch.ones(len(rows), device=device), accumulate=True)
-        if pending is not None:  # rows that did not ask have zero penalties: counting theirs is harmless
-            index = pending_index(pending)
-            out.counts.index_put_(index, torch.ones(len(index[1]), device=device), accumulate=True)
-    return out
+def has_penalties(p) -> bool:
+    return p.repetition_penalty != 1 or bool(p.frequency_penalty or p.presence_penalty)
 
 
-def pending_index(pending: tuple[torch.Tensor | None, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, ids = pending
-    if rows is None:
-        rows = torch.arange(len(ids), device=ids.device)
-    return rows, ids
+class PenaltyHistories:
+    """Token ids (prompt and output) of up to `num_slots` penalised sequences, on the device.
+
+    hist_SC [slots, capacity]: slot s holds its sequence's tokens in order; the columns past them repeat
+    its first token, so every column is one of the row's tokens and writing a penalised value there twice
+    writes the same value. A sequence keeps its slot while it is scheduled; slots of sequences no step
+    has named since are taken back when the slots run out (a returning sequence is written again whole)."""
+
+    def __init__(self, num_slots: int, device):
+        self.num_slots, self.device = num_slots, torch.device(device)
+        self.hist_SC = torch.zeros(num_slots, 0, dtype=torch.int64, device=self.device)
+        self.slot_of: dict[int, int] = {}    # seq_id → slot
+        self.written: dict[int, int] = {}    # seq_id → how many of its token ids its slot holds
+
+    def grow(self, capacity: int) -> None:
+        old = self.hist_SC
+        if capacity <= old.shape[1]:
+            return
+        capacity = max(256, 1 << (capacity - 1).bit_length())
+        self.hist_SC = torch.empty(self.num_slots, capacity, dtype=torch.int64, device=self.device)
+        self.hist_SC[:, :old.shape[1]] = old
+        self.hist_SC[:, old.shape[1]:] = old[:, :1] if old.shape[1] else 0
+
+    def assign(self, seqs: list[Sequence]) -> list[int]:
+        """A slot for each sequence (new ones start empty)."""
+        step = {s.seq_id for s in seqs}
+        assert len(step) <= self.num_slots, (len(step), self.num_slots)
+        free = sorted(set(range(self.num_slots)) - set(self.slot_of.values()))
+        for s in seqs:
+            if s.seq_id in self.slot_of:
+                continue
+            if not free:  # take back the slots of sequences this step does not name
+                for gone in [i for i in self.slot_of if i not in step]:
+                    free.append(self.slot_of.pop(gone))
+                    del self.written[gone]
+            self.slot_of[s.seq_id], self.written[s.seq_id] = free.pop(), 0
+        return [self.slot_of[s.seq_id] for s in seqs]
+
+    def update(self, seqs: list[Sequence], batch_rows: list[int], pending, num_rows: int):
+        """Write what these sequences (rows `batch_rows` of a step of `num_rows`) gained since the last step;
+        returns (slots, prompt lengths, lengths), each [P] on the device, and the longest length. pending: (rows or None, values) of
+        the step's PENDING tokens, or None."""
+        slots = self.assign(seqs)
+        longest = max(len(s.token_ids) for s in seqs)
+        self.grow(longest)
+        known, waiting = [], []  # (slot, column, token id); (step row, slot, column) of PENDING tokens
+        for s, slot, row in zip(seqs, slots, batch_rows):
+            start, n = self.written[s.seq_id], len(s.token_ids)
+            if start == 0:  # a new slot: its first token fills the columns past its history
+                known.append((slot, -1, s.token_ids[0]))
+            for col in range(start, n):
+                t = s.token_ids[col]
+                if t == PENDING:
+                    waiting.append((row, slot, col))
+                else:
+                    known.append((slot, col, t))
+            self.written[s.seq_id] = n
+        P, K, W = len(seqs), len(known), len(waiting)
+        packed = np.concatenate([np.asarray([slots, [s.num_prompt_tokens for s in seqs], [len(s.token_ids) for s in seqs]],
+                                            dtype=np.int64).ravel(),
+                                 np.asarray(known, dtype=np.int64).reshape(K, 3).T.ravel(),
+                                 np.asarray(waiting, dtype=np.int64).reshape(W, 3).T.ravel()])
+        dev = to_device(packed, self.device)  # one transfer for all of it
+        slots_P, prompt_lens_P, lengths_P = dev[:3 * P].view(3, P)
+        if K:
+            slot, col, tok = dev[3 * P:3 * P + 3 * K].view(3, K)
+            fill = col < 0
+            self.hist_SC[slot[fill]] = tok[fill][:, None]  # new slots first, then their tokens
+            self.hist_SC[slot[~fill], col[~fill]] = tok[~fill]
+        if W:
+            row, slot, col = dev[3 * P + 3 * K:].view(3, W)
+            self.hist_SC[slot, col] = pending_values(pending, row, num_rows)
+        return slots_P, prompt_lens_P, lengths_P, longest
 
 
-def history(seqs: list[Sequence], wanted: list[bool], output_only: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(row, token id) of every known token of the wanted rows: their output, or prompt and output."""
-    parts = [(i, s.token_ids[s.num_prompt_tokens if output_only else 0:]) for i, (s, w) in enumerate(zip(seqs, wanted))
-             if w]
-    rows = np.concatenate([np.full(len(t), i, np.int64) for i, t in parts] or [np.zeros(0, np.int64)])
-    ids = np.concatenate([np.asarray(t, np.int64) for _, t in parts] or [np.zeros(0, np.int64)])
-    known = ids != PENDING  # a pending token is counted on the device (build_logits_adjust)
-    return rows[known], ids[known]
+def pending_values(pending, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The device values of the PENDING tokens of these step rows (each has one in the step in flight)."""
+    assert pending is not None, "a PENDING token with no step in flight"
+    fed_rows, values = pending
+    if fed_rows is None:  # the leading rows, in order
+        return values[rows]
+    where = torch.zeros(num_rows, dtype=torch.int64, device=values.device)
+    where[fed_rows] = torch.arange(len(fed_rows), device=values.device)
+    return values[where[rows]]
+
+
+class LogitsAdjuster:
+    """The step's LogitsAdjust from its rows' parameters and histories; the histories stay on the device."""
+
+    def __init__(self, vocab_size: int, device, max_num_seqs: int):
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.histories = PenaltyHistories(max_num_seqs, device)
+        self.last: tuple[list[Sequence] | None, tuple] = (None, ())
+
+    def __call__(self, seqs: list[Sequence], pending=None) -> LogitsAdjust | None:
+        params = [s.params for s in seqs]
+        if not any(p.adjusts_logits for p in params):
+            return None
+        if seqs != self.last[0]:  # what does not change while the batch stays: its biases and coefficients
+            self.last = (list(seqs), self.fixed_parts(seqs))
+        bias, penalised, coefficients, min_tokens = self.last[1]
+        out = LogitsAdjust(banned=self.banned(seqs) if min_tokens else None, bias=bias)
+        if penalised:
+            group = [seqs[i] for i in penalised]
+            slots, prompt_lens, lengths, longest = self.histories.update(group, penalised, pending, len(seqs))
+            pos = torch.arange(longest, device=self.device)
+            out.rows, out.repetition, out.frequency, out.presence = coefficients
+            out.tokens = self.histories.hist_SC[slots, :len(pos)]
+            out.is_output = (pos >= prompt_lens[:, None]) & (pos < lengths[:, None])
+        return out
+
+    def fixed_parts(self, seqs: list[Sequence]):
+        """(logit_bias as (rows, ids, values), the penalised rows, their (rows, repetition, frequency,
+        presence) on the device, whether a row has min_tokens)."""
+        params = [s.params for s in seqs]
+        bias = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+        if bias:
+            rows_ids = to_device(np.asarray([(i, t) for i, t, _ in bias], dtype=np.int64).T.copy(), self.device)
+            bias = (rows_ids[0], rows_ids[1], to_device(np.asarray([v for *_, v in bias], dtype=np.float32), self.device))
+        rows = [i for i, p in enumerate(params) if has_penalties(p)]
+        min_tokens = any(p.min_tokens for p in params)
+        if not rows:
+            return bias or None, [], (), min_tokens
+        c = to_device(np.asarray([(i, params[i].repetition_penalty, params[i].frequency_penalty,
+                                   params[i].presence_penalty) for i in rows], dtype=np.float32).T.copy(), self.device)
+        return bias or None, rows, (c[0].long(), c[1], c[2], c[3]), min_tokens  # (row numbers are exact in float32)
+
+    def banned(self, seqs: list[Sequence]):
+        pairs = [(i, t) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens
+                 for t in s.min_tokens_stops]
+        return tuple(to_device(np.asarray(pairs, dtype=np.int64).T.copy(), self.device)) if pairs else None
+
+
+def build_logits_adjust(seqs: list[Sequence], vocab_size: int, device, pending=None) -> LogitsAdjust | None:
+    """One step's LogitsAdjust with fresh histories (what a step of a new batch gets)."""
+    return LogitsAdjuster(vocab_size, device, max(len(seqs), 1))(seqs, pending)

@@ -97,7 +97,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = text_config(self.hf_config).vocab_size
-        self.sampling = SamplingInputs(self.device, self.vocab_size)
+        self.sampling = SamplingInputs(self.device, self.vocab_size, self.config.max_num_seqs)
         self.block_size = config.block_size
         self.mods = [(a.mask_mod, a.score_mod) for a in self.layers]
         self.mod_params = mod_params(self.mods)  # {name: its dtype, fixed here, and the mod reading it}

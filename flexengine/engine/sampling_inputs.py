@@ -10,14 +10,15 @@ import torch
 from ..attention.metadata import to_device
 from ..layers.sampler import SamplingTensors
 from .in_flight import InFlightStep
-from .logits_adjust import build_logits_adjust
+from .logits_adjust import LogitsAdjuster
 from .sequence import Sequence
 from .structured_outputs import fill_token_mask
 
 
 class SamplingInputs:
-    def __init__(self, device: torch.device, vocab_size: int):
+    def __init__(self, device: torch.device, vocab_size: int, max_num_seqs: int):
         self.device, self.vocab_size = device, vocab_size
+        self.adjuster = LogitsAdjuster(vocab_size, device, max_num_seqs)
         self.last: tuple[list[Sequence] | None, SamplingTensors | None] = (None, None)
 
     def tensors(self, seqs: list[Sequence], prev: InFlightStep | None = None) -> SamplingTensors:
@@ -35,7 +36,7 @@ class SamplingInputs:
         if not tensors.adjusts_logits:  # (known since the rows were set: no per-step scan)
             return tensors
         pending = None if prev is None else prev.feed(seqs, np.arange(len(seqs)), self.device)
-        adjust = build_logits_adjust(seqs, self.vocab_size, self.device, pending)  # histories grow: every step
+        adjust = self.adjuster(seqs, pending)  # the histories grew: every step
         return tensors if adjust is None else dataclasses.replace(tensors, adjust=adjust)
 
 

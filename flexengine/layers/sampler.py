@@ -34,14 +34,16 @@ class SamplingTensors:
 @dataclass
 class LogitsAdjust:
     """vLLM's logits processors for one step, in its order: min_tokens bans, logit_bias, then the
-    repetition, frequency and presence penalties. Rows without them carry neutral values."""
+    repetition, frequency and presence penalties. The penalties work at each penalised row's history
+    (prompt and output token ids), not over the vocabulary; their rows without one carry neutral values."""
     banned: tuple[torch.Tensor, torch.Tensor] | None   # (rows, token ids) set to -inf
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values) added
-    repetition: torch.Tensor | None = None   # float32 [N]: 1 where off
-    seen: torch.Tensor | None = None         # bool [N, V]: in the prompt or the output
-    frequency: torch.Tensor | None = None    # float32 [N]
-    presence: torch.Tensor | None = None     # float32 [N]
-    counts: torch.Tensor | None = None       # float32 [N, V]: occurrences in the output
+    rows: torch.Tensor | None = None         # int64 [P]: the penalised rows; None: no penalties
+    tokens: torch.Tensor | None = None       # int64 [P, L]: their token ids; columns past a history repeat one of its tokens
+    is_output: torch.Tensor | None = None    # bool [P, L]: the column holds an output token
+    repetition: torch.Tensor | None = None   # float32 [P]: 1 where off
+    frequency: torch.Tensor | None = None    # float32 [P]
+    presence: torch.Tensor | None = None     # float32 [P]
 
 
 def apply_adjust(logits: torch.Tensor, a: LogitsAdjust) -> torch.Tensor:
@@ -51,11 +53,14 @@ def apply_adjust(logits: torch.Tensor, a: LogitsAdjust) -> torch.Tensor:
     if a.bias is not None:
         rows, ids, values = a.bias
         logits.index_put_((rows, ids), values, accumulate=True)
-    if a.repetition is not None:
-        r = torch.where(a.seen, a.repetition[:, None], torch.ones_like(logits))
-        logits = torch.where(logits > 0, logits / r, logits * r)
-    if a.counts is not None:
-        logits -= a.frequency[:, None] * a.counts + a.presence[:, None] * (a.counts > 0)
+    if a.rows is not None:
+        rows = a.rows[:, None]
+        counts = torch.zeros(len(a.rows), logits.shape[1], device=logits.device)
+        counts.scatter_add_(1, a.tokens, a.is_output.float())  # each token's occurrences in the output
+        n = counts.gather(1, a.tokens)
+        x, r = logits[rows, a.tokens], a.repetition[:, None]
+        x = torch.where(x > 0, x / r, x * r) - a.frequency[:, None] * n - a.presence[:, None] * (n > 0)
+        logits[rows, a.tokens] = x  # a token repeated in the history gets the same value each time
     return logits
 
 
