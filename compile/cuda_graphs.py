@@ -1,6 +1,6 @@
 """CUDA graphs for pure decode steps: the whole step, metadata included, replayed from static buffers.
 
-For each batch bucket (1, 2, 4, 8, then multiples of 16 up to max_num_seqs) one graph holds:
+For each batch bucket (`policy.decode_buckets`: 1, 2, 4 ... 64, 96, 128, then multiples of 64) one graph holds:
 page map → page lists → BlockMasks → embeddings → every layer (flex reading its BlockMask from the
 static buffers) → logits. The host only copies ids, positions, slots, block tables and lengths into the
 buffers and replays; padded rows have seq_len 0, so they read no page and write a scratch slot.

@@ -12,7 +12,8 @@ from flexengine.engine.sequence import Sequence
 
 
 def test_buckets():
-    assert decode_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and decode_buckets(256)[-1] == 256
+    assert decode_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256]
+    assert decode_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 300]
     assert decode_buckets(20) == [1, 2, 4, 8, 16, 20] and decode_buckets(1) == [1]
 
 
