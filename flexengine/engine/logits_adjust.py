@@ -34,7 +34,6 @@ class PenaltyHistories:
         self.hist_SC = torch.zeros(num_slots, 0, dtype=torch.int64, device=self.device)
         self.slot_of: dict[int, int] = {}    # seq_id → slot
         self.written: dict[int, int] = {}    # seq_id → how many of its token ids its slot holds
-        self.last: tuple = (None, None, None, None)  # the last update's sequences, slots, lengths, prompt lengths
 
     def grow(self, capacity: int) -> None:
         old = self.hist_SC
@@ -62,27 +61,29 @@ class PenaltyHistories:
 
     def update(self, seqs: list[Sequence], batch_rows: list[int], pending, num_rows: int):
         """Write what these sequences (rows `batch_rows` of a step of `num_rows`) gained since the last step;
-        returns (slots, prompt lengths, lengths), each [P] on the device, and the longest length. pending:
-        (rows or None, values) of the step's PENDING tokens, or None."""
-        lengths = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
-        if seqs == self.last[0] and np.array_equal(lengths, self.last[2] + 1):  # each one token on: vectorised
-            slots, prompt_lens = self.last[1], self.last[3]
-            tokens = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, len(seqs))
-            wait = tokens == PENDING
-            known_3K = np.stack([slots[~wait], lengths[~wait] - 1, tokens[~wait]])
-            waiting_3W = np.stack([np.asarray(batch_rows)[wait], slots[wait], lengths[wait] - 1])
-            for s, n in zip(seqs, lengths.tolist()):
-                self.written[s.seq_id] = n
-        else:
-            slots = np.asarray(self.assign(seqs), dtype=np.int64)
-            prompt_lens = np.asarray([s.num_prompt_tokens for s in seqs], dtype=np.int64)
-            known_3K, waiting_3W = self.gains(seqs, slots.tolist(), batch_rows)
-        self.last = (list(seqs), slots, lengths, prompt_lens)
-        longest = int(lengths.max())
+        returns (slots, prompt lengths, lengths), each [P] on the device, and the longest length. pending: (rows or None, values) of
+        the step's PENDING tokens, or None."""
+        slots = self.assign(seqs)
+        longest = max(len(s.token_ids) for s in seqs)
         self.grow(longest)
-        P, K, W = len(seqs), known_3K.shape[1], waiting_3W.shape[1]
-        dev = to_device(np.concatenate([slots, prompt_lens, lengths, known_3K.ravel(), waiting_3W.ravel()]),
-                        self.device)  # one transfer for all of it
+        known, waiting = [], []  # (slot, column, token id); (step row, slot, column) of PENDING tokens
+        for s, slot, row in zip(seqs, slots, batch_rows):
+            start, n = self.written[s.seq_id], len(s.token_ids)
+            if start == 0:  # a new slot: its first token fills the columns past its history
+                known.append((slot, -1, s.token_ids[0]))
+            for col in range(start, n):
+                t = s.token_ids[col]
+                if t == PENDING:
+                    waiting.append((row, slot, col))
+                else:
+                    known.append((slot, col, t))
+            self.written[s.seq_id] = n
+        P, K, W = len(seqs), len(known), len(waiting)
+        packed = np.concatenate([np.asarray([slots, [s.num_prompt_tokens for s in seqs], [len(s.token_ids) for s in seqs]],
+                                            dtype=np.int64).ravel(),
+                                 np.asarray(known, dtype=np.int64).reshape(K, 3).T.ravel(),
+                                 np.asarray(waiting, dtype=np.int64).reshape(W, 3).T.ravel()])
+        dev = to_device(packed, self.device)  # one transfer for all of it
         slots_P, prompt_lens_P, lengths_P = dev[:3 * P].view(3, P)
         if K:
             slot, col, tok = dev[3 * P:3 * P + 3 * K].view(3, K)
@@ -93,24 +94,6 @@ class PenaltyHistories:
             row, slot, col = dev[3 * P + 3 * K:].view(3, W)
             self.hist_SC[slot, col] = pending_values(pending, row, num_rows)
         return slots_P, prompt_lens_P, lengths_P, longest
-
-    def gains(self, seqs: list[Sequence], slots: list[int], batch_rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The tokens each sequence gained since its slot was last written: (slot, column, token id) [3, K]
-        of known ones (column -1: a new slot, filled with its first token) and (step row, slot, column)
-        [3, W] of PENDING ones."""
-        known, waiting = [], []
-        for s, slot, row in zip(seqs, slots, batch_rows):
-            start, n = self.written[s.seq_id], len(s.token_ids)
-            if start == 0:
-                known.append((slot, -1, s.token_ids[0]))
-            for col in range(start, n):
-                t = s.token_ids[col]
-                if t == PENDING:
-                    waiting.append((row, slot, col))
-                else:
-                    known.append((slot, col, t))
-            self.written[s.seq_id] = n
-        return (np.asarray(known, dtype=np.int64).reshape(-1, 3).T, np.asarray(waiting, dtype=np.int64).reshape(-1, 3).T)
 
 
 def pending_values(pending, rows: torch.Tensor, num_rows: int) -> torch.Tensor:

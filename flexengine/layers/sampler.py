@@ -46,9 +46,8 @@ class LogitsAdjust:
     presence: torch.Tensor | None = None     # float32 [P]
 
 
-def apply_adjust(logits: torch.Tensor, a: LogitsAdjust, inplace: bool = False) -> torch.Tensor:
-    """The adjusted logits; in place when the caller needs no raw copy (no logprobs asked)."""
-    logits = logits if inplace else logits.clone()
+def apply_adjust(logits: torch.Tensor, a: LogitsAdjust) -> torch.Tensor:
+    logits = logits.clone()
     if a.banned is not None:
         logits[a.banned] = float("-inf")
     if a.bias is not None:
@@ -148,7 +147,7 @@ class Sampler:
             logits = apply_token_mask(logits, t.token_mask.rows, t.token_mask.bitmask)
         raw = logits
         if t.adjust is not None:
-            logits = apply_adjust(logits, t.adjust, inplace=t.num_logprobs < 0)  # logprobs read the raw logits
+            logits = apply_adjust(logits, t.adjust)
         greedy_ids = logits.argmax(-1)
         if t.all_greedy:
             ids = greedy_ids
