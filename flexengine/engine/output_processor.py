@@ -14,6 +14,7 @@ from .sequence import Request, Sequence
 class OutputProcessor:
     def __init__(self, tokenizer, scheduler: Scheduler, max_model_len: int):
         self.tokenizer, self.scheduler, self.max_model_len = tokenizer, scheduler, max_model_len
+        self.token_texts: dict[int, str] = {}  # a token's text alone, as logprobs name it (decode_one)
 
     def outputs(self, requests: dict[str, Request], progressed: dict[str, Request]) -> list[RequestOutput]:
         """RequestOutputs of the requests that progressed; finished ones leave `requests`."""
@@ -111,7 +112,14 @@ class OutputProcessor:
         return entries
 
     def decode_one(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
+        """Cached: prompt logprobs name two tokens per prompt position, and a tokenizer's decode of one
+        took most of a loglikelihood request's host time (issue 20's 1,000 × 256 workload)."""
+        if self.tokenizer is None:
+            return None
+        text = self.token_texts.get(token)
+        if text is None:
+            text = self.token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     @staticmethod
     def new_output(seq: Sequence, delta: bool) -> tuple[str, list[int], list | None, float | None]:
