@@ -233,9 +233,10 @@ def test_grammar_requests_are_not_decoded_by_multi_step():
 @given(V=st.integers(1, 100), N=st.integers(1, 5), data=st.data())
 def test_token_mask_matches_xgrammars_own(V, N, data):
     """The sampler's bit unpacking against xgrammar.apply_token_bitmask_inplace, on some rows of a batch,
-    with a bitmask wider than the logits (the tokenizer's padding)."""
+    with a bitmask wider than the logits (the tokenizer's padding) or narrower (a model's padded
+    embeddings: the ids past the tokenizer's are not allowed)."""
     rows = sorted(data.draw(st.sets(st.integers(0, N - 1), min_size=1)))
-    W = data.draw(st.integers(-(-V // 32), -(-V // 32) + 2))
+    W = data.draw(st.integers(max(1, -(-V // 32) - 2), -(-V // 32) + 2))
     seed = data.draw(st.integers(0, 2 ** 31))
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(N, V, generator=g)
@@ -245,7 +246,7 @@ def test_token_mask_matches_xgrammars_own(V, N, data):
     words = -(-V // 32)
     want = torch.cat([logits, torch.zeros(N, words * 32 - V)], dim=1)
     full = torch.full((N, words), -1, dtype=torch.int32)
-    full[rows] = bitmask[:, :words]
+    full[rows] = torch.cat([bitmask, torch.zeros(len(rows), max(0, words - W), dtype=torch.int32)], dim=1)[:, :words]
     xgr.apply_token_bitmask_inplace(want, full, vocab_size=V)
     want = want[:, :V]
     got = apply_token_mask(logits, torch.tensor(rows), bitmask)

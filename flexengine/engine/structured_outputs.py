@@ -85,9 +85,11 @@ class Grammars:
         if self.tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer, and this model has none")
         started = time.perf_counter()
-        # The model's vocabulary may be larger than the tokenizer's (padded embeddings): xgrammar then
-        # sizes the bitmask for the model, and the ids the tokenizer lacks are never allowed.
-        size = max(self.vocab_size, len(self.tokenizer))
+        # xgrammar sees the tokenizer's ids only. A model's vocabulary may be larger (padded embeddings):
+        # the sampler bans the ids past the bitmask (apply_token_mask). Sized for the model instead,
+        # xgrammar clears each padded id on every fill: 88 µs a row inside a JSON string at 128,256 ids
+        # against 4.4 µs at SmolLM2's own 49,152 (CPU), and the random presets pad 259 ids to 128,256.
+        size = len(self.tokenizer)
         info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=size,
                                                   stop_token_ids=self.stop_token_ids or None)
         self.width = -(-info.vocab_size // 32)  # int32 words of a row's bitmask

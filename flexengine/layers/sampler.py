@@ -73,13 +73,17 @@ class TokenMask:
 
 def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """-inf for each token a row's bitmask does not allow (xgrammar's layout: bit j of int32 word k is
-    token 32k + j); bits past the logits' width are ignored. Plain tensor ops: the same on CPU and CUDA."""
+    token 32k + j); bits past the logits' width are ignored, and tokens past the bitmask's are not allowed
+    (ids the tokenizer lacks). Plain tensor ops: the same on CPU and CUDA."""
     V = logits.shape[-1]
     G, W = bitmask.shape
+    n = min(V, 32 * W)
     shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
     # little-endian bytes of each word: byte b holds tokens 32k + 8b ... 32k + 8b + 7
     bits = (bitmask.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1
-    allowed = bits.view(G, W * 32)[:, :V].bool()
+    allowed = bits.view(G, W * 32)[:, :n].bool()
+    if n < V:
+        allowed = torch.cat([allowed, allowed.new_zeros(G, V - n)], dim=1)
     return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
