@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention.metadata import (AttentionMetadata, build_metadata, build_phys_to_logical, choose_decode_splits,
-                                  plan_layout, to_device)
+from ..attention.metadata import AttentionMetadata, build_metadata, build_phys_to_logical
+from ..attention.layout import choose_decode_splits, plan_layout
+from ..attention.staging import to_device
 from .policy import decode_buckets
 
 

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention.metadata import KV_TILE, LAYOUT_FIELDS, Q_TILE, StepLayout, copy_into, metadata_on_device
+from ..attention.metadata import LAYOUT_FIELDS, metadata_on_device
+from ..attention.layout import KV_TILE, Q_TILE, StepLayout
+from ..attention.staging import copy_into
 from .cuda_graphs import graph_capture
 
 logger = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ class MixedKey:
     num_decode: int  # decode requests, padded to a decode bucket
     splits: int      # split-KV rows per decode request
     num_tiles: int   # prefill tiles, padded to a bucket
-    num_segments: int  # prefill segments, padded to metadata.segment_capacity
+    num_segments: int  # prefill segments, padded to layout.segment_capacity
     workspace_pages: int  # pages gathered into the prefill workspace (graph_workspace_pages of num_tiles)
 
     @classmethod
@@ -63,7 +65,7 @@ class MixedKey:
         return self.num_tiles * Q_TILE
 
     def field_sizes(self) -> dict[str, int]:
-        """Length of each layout array for this key (metadata.plan_layout's padding)."""
+        """Length of each layout array for this key (layout.plan_layout's padding)."""
         rows = self.num_decode * self.splits
         spans, prefill = rows + self.num_segments, self.num_tokens
         return {"decode_req": rows, "span_req": spans, "span_q_lo": spans, "span_q_hi": spans, "span_valid": spans,

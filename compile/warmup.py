@@ -19,7 +19,7 @@ from .policy import bucket, decode_buckets, tile_bucket, tile_buckets
 
 def max_prefill_tiles(max_num_batched_tokens: int) -> int:
     """Most prefill tiles one step can have: its tokens (at most the budget) in whole tiles, bucketed."""
-    from ..attention.metadata import Q_TILE
+    from ..attention.layout import Q_TILE
     return tile_bucket(-(-max_num_batched_tokens // Q_TILE))
 
 
@@ -31,7 +31,7 @@ def prompt_lengths(runner, tiles: int, beside: int = 0) -> list[int] | None:
     """Dummy prompts whose tokens, with `beside` decode tokens, fill a step of `tiles` (a bucket) as far
     as max_model_len and max_num_seqs allow, in as few prompts as possible; None when no step of
     those requests pads to that bucket."""
-    from ..attention.metadata import Q_TILE
+    from ..attention.layout import Q_TILE
     longest, room = max(2, runner.max_model_len), runner.config.max_num_seqs - beside
     tokens = min(tiles * Q_TILE - beside, longest * room)
     if room < 1 or tokens < 2 or tile_bucket(-(-(tokens + beside) // Q_TILE)) != tiles:

@@ -14,7 +14,8 @@ import torch
 
 from flexengine.attention.backends import get_backend
 from flexengine.attention.kv_cache import allocate_kv_cache
-from flexengine.attention.metadata import build_metadata, plan_layout
+from flexengine.attention.metadata import build_metadata
+from flexengine.attention.layout import plan_layout
 
 
 class PagedRunner:

@@ -21,7 +21,8 @@ from flexengine import LLM, SamplingParams
 from flexengine.attention.backends import flash, get_backend
 from flexengine.attention.backends.flex import FlexBackend
 from flexengine.attention.backends.reference import ReferenceBackend
-from flexengine.attention.metadata import build_metadata, plan_layout
+from flexengine.attention.metadata import build_metadata
+from flexengine.attention.layout import plan_layout
 
 CALLS = []  # (provider label, kwargs of interest) per fake kernel call
 

@@ -21,7 +21,8 @@ from harness import fa4_reason, flex_prefill
 from flexengine import LLM, SamplingParams, masks
 from flexengine.attention import paged_attention
 from flexengine.attention.backends.flex import FlexBackend
-from flexengine.attention.metadata import build_metadata, plan_layout
+from flexengine.attention.metadata import build_metadata
+from flexengine.attention.layout import plan_layout
 from flexengine.models import default_model
 
 

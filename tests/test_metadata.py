@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from attention_reference import PLAIN_MASKS
 from flexengine import masks
-from flexengine.attention.metadata import (DEAD_KV0, KV_TILE, Q_TILE, build_metadata, build_phys_to_logical,
-                                           page_lists, plan_layout, workspace_lists)
+from flexengine.attention.metadata import build_metadata, build_phys_to_logical, page_lists, workspace_lists
+from flexengine.attention.layout import DEAD_KV0, KV_TILE, Q_TILE, plan_layout
 
 
 def make_step(rng, reqs, P, spare=2):
@@ -176,7 +176,7 @@ def test_page_lists_at_every_offset_within_a_page():
 def test_to_device_through_the_pinned_ring_keeps_every_copy():
     """More copies than the ring has slots, queued behind slow GPU work: a slot rewritten before its copy
     ran would hand the device another array's values."""
-    from flexengine.attention.metadata import PinnedStaging, to_device
+    from flexengine.attention.staging import PinnedStaging, to_device
     x = torch.randn(4096, 4096, device="cuda")
     for _ in range(10):
         x @ x  # keep the stream busy while the copies queue up

@@ -109,7 +109,8 @@ def test_compiled_flex_on_cpu_honours_block_lists():
     q, kc, vc, tables = make_paged_batch(rng, seq_lens, query_lens, 16, 4, 2, 16)
     window = masks.sliding_window(20)
     backend = flex_backend.FlexBackend(compile=True)
-    from flexengine.attention.metadata import build_metadata, plan_layout
+    from flexengine.attention.metadata import build_metadata
+    from flexengine.attention.layout import plan_layout
     meta = build_metadata(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
                           torch.empty(0, dtype=torch.long), plan_layout(query_lens, seq_lens, block_size=16), 16, kc.shape[0])
     meta.backend = backend
@@ -184,7 +185,8 @@ def test_flex_fa4_prefill_on_gpu(mods, D, block_size, caplog):
 def test_split_kv_decode_matches_dense_reference(splits):
     """Decode rows split over slices of their pages and merged by log-sum-exp (the GPU's long-context path)."""
     from flexengine.attention.backends.flex import FlexBackend
-    from flexengine.attention.metadata import build_metadata, plan_layout
+    from flexengine.attention.metadata import build_metadata
+    from flexengine.attention.layout import plan_layout
     seq_lens, query_lens = [70, 33, 5, 40, 1], [1, 33, 1, 1, 1]
     q, kc, vc, tables = make_paged_batch(random.Random(splits), seq_lens, query_lens, 8, 4, 2, 16)
     for mask, plain in [("causal", PLAIN_MASKS["causal"]), (masks.sliding_window(20), PLAIN_MASKS["sliding_window"](20))]:

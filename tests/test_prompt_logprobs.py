@@ -3,7 +3,6 @@ rank and top k, over chunked prefill, with the prefix cache on, n > 1, and async
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -7,7 +7,8 @@ import torch
 
 from ..masks import check_mask_mod, check_score_mod, get_mask_mod, get_score_mod, mod_name
 from .backends import get_backend
-from .metadata import build_metadata, choose_decode_splits, plan_layout
+from .metadata import build_metadata
+from .layout import choose_decode_splits, plan_layout
 
 
 def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_lens):

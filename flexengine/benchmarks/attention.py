@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.backends.flex import FlexBackend
-from ..attention.metadata import build_metadata, choose_decode_splits, plan_layout, workspace_tokens
+from ..attention.metadata import build_metadata
+from ..attention.layout import choose_decode_splits, plan_layout, workspace_tokens
 from ..compile import compile_count
 from .. import masks
 from .common import write_json

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention.metadata import to_device
+from ..attention.staging import to_device
 from ..layers.sampler import SamplerOutput
 from .prompt_logprobs import PromptLogprobs
 from .scheduler import ScheduledBatch

@@ -38,7 +38,7 @@ def workspace_tokens_wanted(config: EngineConfig, hf_config) -> int:
     beside it, and at least what a step of whole short prompts takes (each request's span rounded up
     to the alignment). Reserved before the pool is sized, so for the wanted length, not the one the
     pool allows."""
-    from ..attention.metadata import workspace_align
+    from ..attention.layout import workspace_align
     a, budget = workspace_align(config.block_size), config.max_num_batched_tokens
     contexts = -(-wanted_max_model_len(config, hf_config) // a) * a + -(-budget // a) * a
     return max(contexts, a * (min(config.max_num_seqs, budget // 2) + -(-budget // a)))

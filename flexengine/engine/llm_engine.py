@@ -16,7 +16,7 @@ import math
 import os
 import time
 
-from ..attention.metadata import Q_TILE, workspace_align
+from ..attention.layout import Q_TILE, workspace_align
 from ..config import EngineConfig, default_block_size, default_max_num_batched_tokens, resolve_device
 from ..masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
 from ..outputs import CompletionDelta, RequestOutput

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..attention.metadata import to_device
+from ..attention.staging import to_device
 from ..layers.sampler import LogitsAdjust
 from .sequence import PENDING, Sequence
 

@@ -20,7 +20,9 @@ import torch
 
 from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
-from ..attention.metadata import AttentionMetadata, StepLayout, build_metadata, plan_layout, to_device
+from ..attention.metadata import AttentionMetadata, build_metadata
+from ..attention.layout import StepLayout, plan_layout
+from ..attention.staging import to_device
 from ..compile import fused_elementwise
 from ..config import EngineConfig, resolve_device
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
@@ -222,7 +224,7 @@ class ModelRunner:
         count the decode graphs use), so no step meets a shape the warm-up did not compile."""
         if not self.static_shapes:
             return {}
-        from ..attention.metadata import Q_TILE, choose_decode_splits, segment_capacity
+        from ..attention.layout import Q_TILE, choose_decode_splits, segment_capacity
         from ..compile import bucket, decode_buckets, tile_bucket
         num_decode = sum(n == 1 for n in query_lens)
         tiles = tile_bucket(-(-sum(query_lens) // Q_TILE)) if any(n > 1 for n in query_lens) else 0
@@ -235,7 +237,7 @@ class ModelRunner:
     def workspace_bucket(self, query_lens: list[int], seq_lens: list[int], tiles: int) -> int:
         """Workspace pages a step of `tiles` (padded) prefill tiles gathers: a mixed CUDA graph's fixed
         number when its contexts fit one (compile/mixed_graphs.py), else just what it needs."""
-        from ..attention.metadata import workspace_tokens
+        from ..attention.layout import workspace_tokens
         from ..compile.mixed_graphs import MAX_GRAPH_TILES, graph_workspace_pages
         need = workspace_tokens(query_lens, seq_lens, self.block_size)
         assert need <= self.workspace_tokens, (need, self.workspace_tokens)  # the scheduler's promise

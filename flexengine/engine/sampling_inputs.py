@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..attention.metadata import to_device
+from ..attention.staging import to_device
 from ..layers.sampler import SamplingTensors
 from .in_flight import InFlightStep
 from .logits_adjust import LogitsAdjuster

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention.metadata import to_device
+from ..attention.staging import to_device
 from ..layers.sampler import TokenMask
 from ..structured_outputs import StructuredOutputsParams
 

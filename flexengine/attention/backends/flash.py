@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ...masks import causal, mod_name
-from ..metadata import AttentionMetadata, to_device
+from ..metadata import AttentionMetadata
+from ..staging import to_device
 
 try:  # torch >= 2.9; older torch serves fresh prefills with SDPA per request
     from torch.nn.attention.varlen import varlen_attn

@@ -23,8 +23,8 @@ except ImportError:
 
 from ...compile import configure_dynamo
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
-from ..metadata import (DEAD_KV0, KV_TILE, Q_TILE, AttentionMetadata, build_phys_to_logical, page_lists,
-                        workspace_lists)
+from ..metadata import AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists
+from ..layout import DEAD_KV0, KV_TILE, Q_TILE
 from ..split_kv import merge_splits_into
 from ..workspace import gather_pages
 from .prefill_kernel import PrefillKernel
