@@ -61,16 +61,17 @@ class PenaltyHistories:
 
     def update(self, seqs: list[Sequence], batch_rows: list[int], pending, num_rows: int):
         """Write what these sequences (rows `batch_rows` of a step of `num_rows`) gained since the last step;
-        returns (slots, prompt lengths, lengths), each [P] on the device, and the longest length. pending: (rows or None, values) of
-        the step's PENDING tokens, or None."""
+        returns (slots, prompt lengths, lengths), each [P] on the device, and the longest length. pending:
+        (rows or None, values) of the step's PENDING tokens, or None."""
         slots = self.assign(seqs)
         longest = max(len(s.token_ids) for s in seqs)
         self.grow(longest)
-        known, waiting = [], []  # (slot, column, token id); (step row, slot, column) of PENDING tokens
+        # (slot, its first token) of new slots; (slot, column, token id); (step row, slot, column) of PENDING tokens
+        fills, known, waiting = [], [], []
         for s, slot, row in zip(seqs, slots, batch_rows):
             start, n = self.written[s.seq_id], len(s.token_ids)
             if start == 0:  # a new slot: its first token fills the columns past its history
-                known.append((slot, -1, s.token_ids[0]))
+                fills.append((slot, s.token_ids[0]))
             for col in range(start, n):
                 t = s.token_ids[col]
                 if t == PENDING:
@@ -78,20 +79,24 @@ class PenaltyHistories:
                 else:
                     known.append((slot, col, t))
             self.written[s.seq_id] = n
-        P, K, W = len(seqs), len(known), len(waiting)
+        P, F, K, W = len(seqs), len(fills), len(known), len(waiting)
         packed = np.concatenate([np.asarray([slots, [s.num_prompt_tokens for s in seqs], [len(s.token_ids) for s in seqs]],
                                             dtype=np.int64).ravel(),
+                                 np.asarray(fills, dtype=np.int64).reshape(F, 2).T.ravel(),
                                  np.asarray(known, dtype=np.int64).reshape(K, 3).T.ravel(),
                                  np.asarray(waiting, dtype=np.int64).reshape(W, 3).T.ravel()])
-        dev = to_device(packed, self.device)  # one transfer for all of it
+        # One transfer for all of it, and indexing by positions only: a boolean mask would make the host
+        # wait for the device, which is still running the step's forward.
+        dev = to_device(packed, self.device)
         slots_P, prompt_lens_P, lengths_P = dev[:3 * P].view(3, P)
+        fills, known, waiting = dev[3 * P:].split([2 * F, 3 * K, 3 * W])
+        fills_2F, known_3K, waiting_3W = fills.view(2, F), known.view(3, K), waiting.view(3, W)
+        if F:  # new slots first, then their tokens
+            self.hist_SC[fills_2F[0]] = fills_2F[1][:, None]
         if K:
-            slot, col, tok = dev[3 * P:3 * P + 3 * K].view(3, K)
-            fill = col < 0
-            self.hist_SC[slot[fill]] = tok[fill][:, None]  # new slots first, then their tokens
-            self.hist_SC[slot[~fill], col[~fill]] = tok[~fill]
+            self.hist_SC[known_3K[0], known_3K[1]] = known_3K[2]
         if W:
-            row, slot, col = dev[3 * P + 3 * K:].view(3, W)
+            row, slot, col = waiting_3W
             self.hist_SC[slot, col] = pending_values(pending, row, num_rows)
         return slots_P, prompt_lens_P, lengths_P, longest
 
