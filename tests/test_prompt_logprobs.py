@@ -2,6 +2,7 @@
 rank and top k, over chunked prefill, with the prefix cache on, n > 1, and async scheduling."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -71,3 +72,41 @@ def test_prompt_logprobs_from_the_mixed_graphs(llama, gpu_shaped_engines):
                         use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         check_against_hf(hf, prompt, out.prompt_logprobs, 1)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), n=st.integers(1, 12), k=st.integers(0, 3))
+def test_flat_logprobs_read_as_vllms_list_of_dicts(data, n, k):
+    """FlatLogprobs, filled in chunks (some positions twice, as after a preemption), reads as the plain list
+    vLLM returns: None first, then per position the top k with ranks 1..k and the prompt token with its own
+    rank (a top-k token keeps the sampler's rank); slices, negative indices, and pickling (texts carried)."""
+    import pickle
+
+    from flexengine.outputs import FlatLogprobs, Logprob
+    V = 6
+    prompt = data.draw(st.lists(st.integers(0, V - 1), min_size=n, max_size=n))
+    rows = [None] + [(data.draw(st.floats(-9, 0, width=32)), data.draw(st.integers(1, V)),
+                      data.draw(st.lists(st.integers(0, V - 1), min_size=k, max_size=k, unique=True)),
+                      sorted(data.draw(st.lists(st.floats(-9, 0, width=32), min_size=k, max_size=k)), reverse=True))
+                     for _ in range(n - 1)]
+    want = [None]
+    for token, (chosen, rank, ids, lps) in zip(prompt[1:], rows[1:]):
+        entry = {t: Logprob(v, r, f"<{t}>") for r, (t, v) in enumerate(zip(ids, lps), start=1)}
+        entry[token] = Logprob(entry[token].logprob if token in entry else chosen, rank, f"<{token}>")
+        want.append(entry)
+    flat = FlatLogprobs(prompt, k, lambda t: f"<{t}>")
+    cuts = sorted(data.draw(st.lists(st.integers(1, n), max_size=3))) + [n]
+    start = 1
+    for stop in cuts:  # chunks, each from a little before the last one's end (positions written twice)
+        first = max(1, start - data.draw(st.integers(0, 2)))
+        if stop <= first:
+            continue
+        part = rows[first:stop]
+        flat.fill(first, np.array([r[0] for r in part], np.float32), np.array([r[1] for r in part]),
+                  np.array([r[2] for r in part], np.int64).reshape(len(part), k),
+                  np.array([r[3] for r in part], np.float32).reshape(len(part), k))
+        start = stop
+    assert len(flat) == n and flat == want and list(flat) == want
+    assert flat[1:] == want[1:] and flat[-1] == want[-1] and flat[::2] == want[::2]
+    again = pickle.loads(pickle.dumps(flat))
+    assert again == want and isinstance(again.text_of, dict)

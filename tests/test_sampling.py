@@ -228,11 +228,13 @@ def test_vocab_constant_matches_checkpoint():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_sampling_inputs_and_the_sampler_never_wait_for_the_device(async_scheduling):
+def test_sampling_inputs_and_the_sampler_never_wait_for_the_device(async_scheduling, monkeypatch):
     """The sampling inputs of a step are built while the device runs its forward: an op among them that
     needs a device value on the host (a boolean-mask index, `.item()`) would stall the host until the forward
-    is done. Every sampling feature at once, with and without async scheduling (PENDING histories)."""
+    is done. Every sampling feature at once, prompt logprobs too, with and without async scheduling (PENDING
+    histories)."""
     from flexengine import StructuredOutputsParams
+    from flexengine.engine import model_runner
     from sync_guard import no_device_syncs
     llm = LLM(seed=0, attention_backend="reference", num_kv_blocks=64, async_scheduling=async_scheduling)
     runner = llm.llm_engine.runner
@@ -247,10 +249,12 @@ def test_sampling_inputs_and_the_sampler_never_wait_for_the_device(async_schedul
 
     runner.sampler = guarded(runner.sampler)
     runner.sampling.tensors = guarded(runner.sampling.tensors)
+    score = model_runner.score_prompt_tokens
+    monkeypatch.setattr(model_runner, "score_prompt_tokens", guarded(score))
     every = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=3, logprobs=2, repetition_penalty=1.2,
                  presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 3.0, 7: -2.0}, min_tokens=3)
-    params = [SamplingParams(max_tokens=8, **every), SamplingParams(max_tokens=6, temperature=0),
+    params = [SamplingParams(max_tokens=8, **every), SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=2),
               SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4,8}"), **every)]
     outs = llm.generate(["one", "two", "three"], params)
     assert [len(o.outputs[0].token_ids) for o in outs][:2] == [8, 6]
-    assert len(calls) >= 2 * 7
+    assert len(calls) >= 2 * 7 and score in calls and outs[1].prompt_logprobs[1] is not None

@@ -57,15 +57,15 @@ class InFlightStep:
         lists = [t.tolist() for t in self.host]
         return lists[0], (list(zip(*lists[1:])) if len(lists) > 1 else None)
 
-    def prompt_spans(self) -> list[tuple[Sequence, int, list[tuple]]]:
-        """After wait(): per sequence that asked, (it, first prompt position scored, per position
-        (logprob, rank, top ids, top logprobs))."""
+    def prompt_spans(self) -> list[tuple[Sequence, int, tuple[np.ndarray, ...]]]:
+        """After wait(): per sequence that asked, (it, first prompt position scored, the arrays of its
+        positions: logprob, rank, top ids [n, K], top logprobs [n, K])."""
         if self.prompt is None:
             return []
-        rows = list(zip(*[t.tolist() for t in self.prompt_host]))
+        arrays = [t.numpy() for t in self.prompt_host]
         spans, at = [], 0
         for seq, first, count in self.prompt.spans:
-            spans.append((seq, first, rows[at:at + count]))
+            spans.append((seq, first, tuple(a[at:at + count] for a in arrays)))
             at += count
         return spans
 

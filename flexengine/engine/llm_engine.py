@@ -19,7 +19,7 @@ import time
 from ..attention.layout import Q_TILE, workspace_align
 from ..config import EngineConfig, default_block_size, default_max_num_batched_tokens, resolve_device
 from ..masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
-from ..outputs import CompletionDelta, RequestOutput
+from ..outputs import CompletionDelta, FlatLogprobs, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
@@ -255,7 +255,7 @@ class LLMEngine:
         if params.logprobs is not None:
             seq.logprobs = []
         if wants_prompt_logprobs(seq):
-            seq.prompt_logprobs = [None] * len(prompt_ids)
+            seq.prompt_logprobs = FlatLogprobs(prompt_ids, params.prompt_logprobs, self.output_processor.decode_one)
         if params.min_tokens:
             seq.min_tokens_stops = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else self.eos_token_ids)

@@ -80,14 +80,11 @@ class OutputProcessor:
                 self.scheduler.finish(seq, "length")
 
     def fill_prompt_logprobs(self, spans) -> None:
-        """Prompt logprobs read back from a step (InFlightStep.prompt_spans), into their sequences; a
-        position recomputed after a preemption gets the same entry again."""
-        for seq, first, rows in spans:
-            if seq.prompt_logprobs is None:
-                continue
-            k = seq.params.prompt_logprobs
-            for pos, lp in enumerate(rows, start=first):
-                seq.prompt_logprobs[pos] = self.logprob_dict(seq.token_ids[pos], lp, k)
+        """Prompt logprobs read back from a step (InFlightStep.prompt_spans), into their sequences' arrays; a
+        position recomputed after a preemption gets the same values again."""
+        for seq, first, arrays in spans:
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs.fill(first, *arrays)
 
     def check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
         """Cut the text just before the earliest stop string that the new text completes."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..attention.staging import to_device
 from ..layers.sampler import compute_logprobs
 from .sequence import Sequence
 
@@ -52,9 +53,9 @@ def score_prompt_tokens(compute_logits, hidden: torch.Tensor, seqs: list[Sequenc
     if not spans:
         return None
     k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
-    device = hidden.device
-    rows_t = torch.from_numpy(np.concatenate(rows)).to(device)
-    targets_t = torch.tensor(targets, dtype=torch.long, device=device)
+    # One pinned, non-blocking copy: a plain .to(device) would wait for the forward queued before it.
+    rows_t, targets_t = to_device(np.concatenate(rows + [np.asarray(targets, dtype=np.int64)]),
+                                  hidden.device).view(2, -1)
     parts = []
     for at in range(0, len(targets), ROWS_PER_SLICE):
         logits = compute_logits(hidden[rows_t[at:at + ROWS_PER_SLICE]])
