@@ -74,7 +74,7 @@ class TokenMask:
 def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """-inf for each token a row's bitmask does not allow (xgrammar's layout: bit j of int32 word k is
     token 32k + j); bits past the logits' width are ignored, and tokens past the bitmask's are not allowed
-    (ids the tokenizer lacks). Plain tensor ops: the same on CPU and CUDA."""
+    (ids the tokenizer lacks). Plain tensor ops: the same on CPU and CUDA. Writes into `logits`."""
     V = logits.shape[-1]
     G, W = bitmask.shape
     n = min(V, 32 * W)
@@ -84,7 +84,7 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Te
     allowed = bits.view(G, W * 32)[:, :n].bool()
     if n < V:
         allowed = torch.cat([allowed, allowed.new_zeros(G, V - n)], dim=1)
-    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+    return logits.index_put_((rows,), logits[rows].masked_fill(~allowed, float("-inf")))  # in place: no [N, V] copy
 
 
 @dataclass
