@@ -141,9 +141,9 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     # Launch each step before reading the last one's tokens back, so that detokenizing, stop checks and
     # streaming overlap the device (vLLM's async scheduling). A sequence that stops runs one step more,
-    # whose token is dropped. None: on for a GPU unless num_scheduler_steps > 1, off on CPU (the
-    # default of `flexengine serve`, as vLLM serves since 0.14).
-    async_scheduling: bool | None = False
+    # whose token is dropped. None (the default, as vLLM's since 0.14, offline and served alike): on for a
+    # GPU unless num_scheduler_steps > 1, off on CPU, where the host and the device are the same cores.
+    async_scheduling: bool | None = None
     seed: int = 0
     # Overrides of the model's mods: a registered name, a callable, or {layer index or kind ("global" /
     # "sliding"): either}; None keeps the model's. Applied (and checked) by ModelRunner.

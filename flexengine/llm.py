@@ -22,7 +22,7 @@ class LLM:
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  attention_backend: str | None = None, enforce_eager: bool = False, tensor_parallel_size: int = 1,
                  seed: int = 0,
-                 mask_mod=None, score_mod=None, num_scheduler_steps: int = 1, async_scheduling: bool = False):
+                 mask_mod=None, score_mod=None, num_scheduler_steps: int = 1, async_scheduling: bool | None = None):
         self.config = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

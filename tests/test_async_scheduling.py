@@ -42,7 +42,16 @@ def test_excludes_multi_step():
 
 
 def test_automatic_setting_turns_it_on_for_a_gpu_only():
-    """None (the server's default) turns async scheduling on for a CUDA device without multi-step."""
+    """None (the default of LLM, the benchmarks and the server, as vLLM's) turns async scheduling on for a CUDA
+    device without multi-step."""
+    import argparse
+    import inspect
+
+    from flexengine.benchmarks.common import add_engine_arguments
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert EngineConfig().async_scheduling is None and parser.parse_args([]).async_scheduling is None
+    assert inspect.signature(LLM).parameters["async_scheduling"].default is None
     from flexengine.engine.llm_engine import resolve_async_scheduling
     assert resolve_async_scheduling(None, "cuda", 1) and not resolve_async_scheduling(None, "cuda", 4)
     assert not resolve_async_scheduling(None, "cpu", 1)

@@ -31,9 +31,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, help="flex | flash | reference | auto")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps per schedule, fed on the device (CUDA graphs only; None: 1)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="launch each step before reading the last one's tokens back (default off, as in LLM; "
-                        "`flexengine serve` turns it on for a GPU)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each step before reading the last one's tokens back (default: on for a GPU unless "
+                        "--num-scheduler-steps > 1, as LLM and `flexengine serve`; --no-async-scheduling turns it off)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="ranks (GPUs, one process each) the model is sharded over (None: 1)")
     p.add_argument("--seed", type=int, default=0, help="engine seed and prompt seed")

@@ -335,7 +335,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace):
     from flexengine.config import EngineConfig
     given = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
-    return EngineConfig(**{"async_scheduling": None, **given})  # the server's default: on for a GPU
+    return EngineConfig(**given)
 
 
 def main(args: argparse.Namespace) -> int:
