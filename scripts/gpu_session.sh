@@ -14,7 +14,9 @@
 # flash), sampling (issue 20's sampling targets, `bench throughput` on the checkpoint: --json-schemas 1 and 16
 # and --penalties at 256 x 256 x 256, --prompt-logprobs 1 at 1000 x 256 x 1; JSON in $OUT/sampling_*.json; the
 # carried xgrammar, apache-tvm-ffi and what else the box lacks go to /tmp/sampling_site, on the path of these
-# runs only). The end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
+# runs only), tp2 and tp2_speed (issue 23, on two GPUs: the llama-3.1-8b-shaped checkpoint in $MODEL8B_DIR; tp2:
+# scripts/tp_parity.py and the two-GPU tests; tp2_speed: batch-1 latency and 256 x 256 x 256 throughput at TP=1
+# and TP=2, then a profile of TP=2 decode steps with the all-reduces' share). The end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR. At the end
 # everything in $OUT is packed into $OUT/logs.tgz (the device tool brings back at most 8 files).
 set -u
@@ -23,6 +25,9 @@ SHM_FREE_KB=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}')
 if (( ${SHM_FREE_KB:-0} > 8000000 )); then DEFAULT_MODEL_DIR=/dev/shm/llama1b; else DEFAULT_MODEL_DIR=/tmp/llama1b; fi
 OUT=${OUT:-bench_out}; MODEL_DIR=${MODEL_DIR:-$DEFAULT_MODEL_DIR}; BUDGET=${BUDGET:-560}
 export OUT MODEL_DIR PYTHONUNBUFFERED=1
+# NVLink multicast stays off (the device tool's KINDS.md: it can take a shared host's GPUs out of service);
+# the box sets these, and the tensor-parallel workers inherit them from here too
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 START=$(date +%s); STATUS=()
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
@@ -44,11 +49,24 @@ step() {
   return "$rc"
 }
 
+MODEL8B_DIR=${MODEL8B_DIR:-/dev/shm/llama8b}
 FA4_PATH=  # set by the fa4 stage once FlashAttention-4 imports and passes its smoke test
 
 model() {
   [[ -f $MODEL_DIR/config.json ]] || step make_model 150 python3 -m flexengine.cli make-model --preset llama-3.2-1b \
     --out "$MODEL_DIR" --dtype bfloat16
+}
+
+model8b() {  # 16 GB: /dev/shm of a two-GPU box has the room
+  [[ -f $MODEL8B_DIR/config.json ]] || step make_model_8b 300 python3 -m flexengine.cli make-model --preset llama-3.1-8b \
+    --out "$MODEL8B_DIR" --dtype bfloat16
+}
+
+# bench_tp KIND SIZE FLAGS...: flexengine bench KIND on the 8B checkpoint at tensor_parallel_size SIZE
+bench_tp() {
+  local kind=$1 size=$2; shift 2
+  step "${kind}_tp$size" 280 python3 -m flexengine.cli bench "$kind" --model "$MODEL8B_DIR" --dtype bfloat16 -tp "$size" \
+    "$@" ${ENGINE_ARGS:-} --json-out "$OUT/${kind}_tp$size.json"
 }
 
 # e2e STEP...: those steps of scripts/e2e_bench.sh, within the budget left
@@ -117,6 +135,14 @@ for stage in ${*:-tests attention compare latency}; do
            sampling_bench json_schemas_16 "${sizes[@]}" --json-schemas 16
            sampling_bench penalties "${sizes[@]}" --penalties  # >= 0.95x plain
            sampling_bench prompt_logprobs --num-prompts 1000 --input-len 256 --output-len 1 --prompt-logprobs 1; } ;;  # >= 0.9x
+    tp2) model8b && { step tp2_parity 360 python3 scripts/tp_parity.py --model "$MODEL8B_DIR" -tp 2 \
+           --json "$OUT/tp2_parity.json"
+           step tp2_gpu_tests 200 python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short tests/test_tensor_parallel.py; } ;;
+    tp2_speed) model8b && { for size in 1 2; do bench_tp latency "$size" --max-num-seqs 1 --batch-size 1 --input-len 128 \
+             --output-len 256; done   # issue 23: TP=2 >= 1.6x faster at batch 1
+           for size in 1 2; do bench_tp throughput "$size" --num-prompts 256 --input-len 256 --output-len 256; done  # >= 1.3x
+           step profile_tp2 240 python3 scripts/profile_step.py --model "$MODEL8B_DIR" -tp 2 --num-prompts 64 \
+             --output-len 16 --decode-batches 1,256 --arrival-batch 0; } ;;  # the all-reduces' share of a decode step
     profile) model && step profile 240 python3 scripts/profile_step.py --model "$MODEL_DIR" ${PROFILE_ARGS:-} ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -5,6 +5,7 @@ requests already streaming).
 
     python3 scripts/profile_step.py --model /tmp/llama1b [--num-prompts 256 --input-len 256 --output-len 256]
     python3 scripts/profile_step.py --model /tmp/llama1b --request-rate 16   # arrivals as a server sees them
+    python3 scripts/profile_step.py --model /dev/shm/llama8b --tensor-parallel-size 2   # rank 0's kernels, all-reduces apart
 """
 from __future__ import annotations
 
@@ -115,8 +116,10 @@ def print_kernels(prof, steps: int, wall: float, what: str) -> None:
     """GPU busy time against wall time per step, and the ten costliest kernels."""
     kernels = [(device_us(e), e.count, e.key) for e in prof.key_averages() if device_us(e) > 0]
     busy = sum(k[0] for k in kernels) / steps
+    collective = sum(us for us, _, name in kernels if "nccl" in name.lower()) / steps  # tensor parallelism's
     print(f"# {what}: wall {wall:.0f} us per step, GPU busy {busy:.0f} us ({busy / wall:.0%}), "
-          f"{sum(k[1] for k in kernels) / steps:.0f} kernels per step")
+          f"{sum(k[1] for k in kernels) / steps:.0f} kernels per step"
+          + (f", all-reduces and gathers (NCCL) {collective:.0f} us ({collective / busy:.0%} of busy)" if collective else ""))
     print("| kernel | per step | us per step |")
     print("|---|---|---|")
     for us, count, name in sorted(kernels, reverse=True)[:10]:
@@ -165,9 +168,12 @@ def main() -> None:
                    help="prompts arrive at this Poisson rate (per second) and stream, as at a server")
     p.add_argument("--arrival-batch", type=int, default=32,
                    help="decoding requests next to the arriving prompt in the profiled arrival step (0: skip)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the model is sharded over; the profile is rank 0's (the engine's process)")
     args = p.parse_args()
     start = time.perf_counter()
-    llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "auto")
+    llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "auto",
+              tensor_parallel_size=args.tensor_parallel_size)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     runner = llm.llm_engine.runner
     print(f"# engine built in {time.perf_counter() - start:.1f} s on {device}; attention {runner.backend.name}, "

@@ -1,0 +1,102 @@
+"""Greedy tokens and logprobs of tensor parallelism against one rank, on one checkpoint (issue 23, item 1).
+
+    python3 scripts/tp_parity.py --model /dev/shm/llama8b --tensor-parallel-size 2 [--json out.json]
+    python3 scripts/tp_parity.py --model CKPT --tensor-parallel-size 2 --device cpu   # gloo, a dry run
+
+Each size runs in a process of its own (a TP=1 engine would keep its KV cache on GPU 0 while the TP=N
+one starts), on the same random prompts, with `logprobs=1`. Per prompt it reports whether the greedy
+tokens are identical, where they first part, and the largest difference of the chosen tokens' logprobs
+before that (bf16 sums the shards' partial products in another order than one GEMM, so tokens may part
+where two candidates are within rounding; the logprobs say how close they were).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+
+
+def run_one(args, size: int, out: str) -> None:
+    """One engine of `size` ranks: its greedy tokens and their logprobs, to `out` (JSON)."""
+    import torch
+
+    from flexengine import LLM, SamplingParams
+    from flexengine.benchmarks.common import as_requests, random_prompts
+    from flexengine.compile import compile_count
+    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() and args.device != "cpu" else "float32")
+    llm = LLM(args.model, dtype=dtype, device=args.device, tensor_parallel_size=size,
+              max_model_len=args.input_len + args.max_tokens + 16)
+    prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, args.seed)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=1)
+    llm.generate(as_requests(prompts[:1]), params, use_tqdm=False)  # first-call costs
+    before = compile_count()
+    outs = llm.generate(as_requests(prompts), params, use_tqdm=False)
+    rows = [dict(tokens=o.outputs[0].token_ids,
+                 logprobs=[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+    runner = llm.llm_engine.runner
+    json.dump(dict(size=size, dtype=dtype, rows=rows, compiled_after_warm_up=compile_count() - before,
+                   decode_graphs=runner.decode_graphs is not None,
+                   mixed_graphs=getattr(runner, "mixed_graphs", None) is not None), open(out, "w"))
+    llm.llm_engine.shutdown()
+
+
+def compare(one: dict, many: dict) -> dict:
+    prompts = []
+    for a, b in zip(one["rows"], many["rows"]):
+        parted = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
+        upto = len(a["tokens"]) if parted is None else parted + 1  # the parting position's own logprob too
+        diff = max((abs(x - y) for x, y in zip(a["logprobs"][:upto], b["logprobs"][:upto])), default=0.0)
+        prompts.append(dict(identical=parted is None, parted_at=parted, max_logprob_diff=diff))
+    return dict(prompts=prompts, identical=sum(p["identical"] for p in prompts),
+                max_logprob_diff=max(p["max_logprob_diff"] for p in prompts))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
+    p.add_argument("--device", default=None, help="cpu for a gloo dry run (default: the engine's choice)")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this size only
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one is not None:
+        run_one(args, args.one, args.out)
+        return 0
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in (1, args.tensor_parallel_size):
+            out = f"{tmp}/tp{size}.json"
+            child = [a for a in sys.argv[1:]]
+            subprocess.run([sys.executable, __file__, *child, "--one", str(size), "--out", out], check=True)
+            results[size] = json.load(open(out))
+    one, many = results[1], results[args.tensor_parallel_size]
+    report = dict(model=args.model, dtype=one["dtype"], tensor_parallel_size=args.tensor_parallel_size,
+                  num_prompts=args.num_prompts, input_len=args.input_len, max_tokens=args.max_tokens,
+                  **compare(one, many),
+                  graphs={size: dict(decode=r["decode_graphs"], mixed=r["mixed_graphs"],
+                                     compiled_after_warm_up=r["compiled_after_warm_up"])
+                          for size, r in results.items()})
+    print(f"# TP={args.tensor_parallel_size} against TP=1, {args.num_prompts} prompts x {args.input_len} in, "
+          f"{args.max_tokens} greedy tokens, {one['dtype']}")
+    print("| prompt | tokens identical | first differing token | largest logprob difference before it |")
+    print("|---|---|---|---|")
+    for i, row in enumerate(report["prompts"]):
+        print(f"| {i} | {'yes' if row['identical'] else 'no'} | {row['parted_at'] if row['parted_at'] is not None else '-'} "
+              f"| {row['max_logprob_diff']:.2e} |")
+    print(f"identical: {report['identical']} of {args.num_prompts}; graphs and compiles after warm-up: {report['graphs']}")
+    if args.json:
+        json.dump(report, open(args.json, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
