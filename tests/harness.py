@@ -33,7 +33,7 @@ class PagedRunner:
         cache = allocate_kv_cache(len(self.layers), self.num_blocks, block_size, first.num_kv_heads,
                                   first.head_dim, weight.dtype, self.device)
         for i, layer in enumerate(self.layers):
-            layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+            layer.k_cache, layer.v_cache = cache[i]
         order = list(range(self.num_blocks))
         random.Random(seed).shuffle(order)  # physical order must not matter
         self.block_tables = torch.tensor([order[r * pages:(r + 1) * pages] for r in range(num_requests)],

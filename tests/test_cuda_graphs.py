@@ -235,7 +235,9 @@ def test_multi_step_decode_equals_one_step(gpu_shaped_engines):
 
 @pytest.mark.parametrize("num_tokens", [5, 1])
 def test_compiled_layer_regions_match_eager(num_tokens):
-    """A decoder layer's two compiled regions (Inductor, here on CPU) against the same code run eagerly."""
+    """A decoder layer's two compiled regions (Inductor, here on CPU) against the same code run eagerly: the
+    queries, the K/V the first writes into the paged cache, the second's output."""
+    from flexengine.attention.kv_cache import allocate_kv_cache
     from flexengine.compile import reset_fused, set_fused_elementwise
     reset_fused()  # compile here, with Inductor, whatever an earlier test compiled them with
     model = LLM(num_kv_blocks=16, enforce_eager=True).llm_engine.runner.model
@@ -245,10 +247,15 @@ def test_compiled_layer_regions_match_eager(num_tokens):
     o = torch.randn(num_tokens, spec.num_heads, spec.head_dim, generator=g)
     positions = torch.arange(num_tokens) * 7
     cos, sin = model.model.rotary[model.model.rope_key[layer.layer_type]](positions, x.dtype)
-    expected = (*layer.attention_inputs.eager(layer, x, cos, sin), layer.attention_output_and_mlp.eager(layer, x, o))
+    attn = layer.self_attn.attn
+    caches = [allocate_kv_cache(1, 4096, 16, attn.num_kv_heads, attn.head_dim, x.dtype, "cpu")[0] for _ in range(2)]
+    slots = torch.randperm(4096 * 16, generator=g)[:num_tokens]
+    expected = (layer.attention_inputs.eager(layer, x, cos, sin, *caches[0], slots), *caches[0],
+                layer.attention_output_and_mlp.eager(layer, x, o))
     set_fused_elementwise(True)
     try:
-        got = (*layer.attention_inputs(x, cos, sin), layer.attention_output_and_mlp(x, o))
+        got = (layer.attention_inputs(x, cos, sin, *caches[1], slots), *caches[1],
+               layer.attention_output_and_mlp(x, o))
     finally:
         set_fused_elementwise(False)
     for a, b in zip(got, expected):  # fp32; Inductor reorders the reductions a little

@@ -5,9 +5,20 @@ import torch
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """One tensor [num_layers, 2, num_blocks, block_size, Hkv, D]; layer l's K is cache[l, 0]."""
-    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                      head_dim: int, dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, a K and a V tensor [num_blocks, block_size, Hkv, D], each its own allocation.
+
+    Not views of one tensor: a layer's compiled region writes the new K/V into them in place, fused with
+    rotary, and Inductor may not write in place an input that shares its storage with another: a probe
+    compiled with two such views as K and V copied the whole tensor around each write (132 ms a call on
+    the CPU for 2 × 100k slots)."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+def kv_cache_bytes(cache: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for pair in cache for t in pair)
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

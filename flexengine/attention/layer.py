@@ -24,4 +24,9 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] → [T, Hq, D]."""
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D] → [T, Hq, D], over a cache that already holds the step's K/V (the decoder layers write
+        them in their compiled region, with rotary)."""
         return meta.backend.forward(q, self.k_cache, self.v_cache, meta, self.mask_mod, self.score_mod, self.scale)

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from ..attention.kv_cache import allocate_kv_cache
+from ..attention.kv_cache import allocate_kv_cache, kv_cache_bytes
 from ..config import CPU_KV_CACHE_BYTES, CPU_MAX_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, MAX_KV_POOL_ELEMENTS, EngineConfig
 from ..layers.sampler import SamplingTensors
 from .scheduler import ScheduledBatch
@@ -116,7 +116,7 @@ def profile_kv_budget(runner) -> int:
     logits = runner.model.compute_logits(hidden[inputs.sample_rows])
     runner.sampler(logits, SamplingTensors(temperature=torch.ones(len(seqs), device=device)))
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - scratch.numel() * scratch.element_size()
+    peak = torch.cuda.max_memory_allocated(device) - kv_cache_bytes(scratch)
     del scratch, hidden, logits, inputs
     runner.attach_kv_cache(None)
     torch.cuda.empty_cache()

@@ -155,9 +155,9 @@ class ModelRunner:
         if self.workers is not None:  # rank 0: from here on, each step is announced to the workers
             drive_workers(self, self.workers)
 
-    def attach_kv_cache(self, cache: torch.Tensor | None) -> None:
+    def attach_kv_cache(self, cache: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         for i, layer in enumerate(self.layers):
-            layer.k_cache, layer.v_cache = (None, None) if cache is None else (cache[i, 0], cache[i, 1])
+            layer.k_cache, layer.v_cache = (None, None) if cache is None else cache[i]
 
     # ---------------------------------------------------------------- the step
     def to_device(self, array: np.ndarray) -> torch.Tensor:

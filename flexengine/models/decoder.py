@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..attention.kv_cache import write_kv
 from ..attention.layer import Attention
 from ..compile import fused
 from ..attention.metadata import AttentionMetadata
@@ -125,8 +126,13 @@ class DecoderLayer(nn.Module):
     # The layer's work on either side of attention is two compiled regions on the CUDA engine (one
     # Inductor graph each, dynamic in T, shared by every layer); paged attention stays between them.
     @fused
-    def attention_inputs(self, x, cos, sin):
-        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+    def attention_inputs(self, x, cos, sin, k_cache, v_cache, slot_mapping):
+        """The queries; the step's new K/V go into the paged cache here, so that Inductor stores them from
+        the rotary kernel instead of two copy launches after it (the caches are separate tensors for this:
+        attention/kv_cache.py)."""
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return q
 
     @fused
     def attention_output_and_mlp(self, x, o):
@@ -138,8 +144,9 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin, meta):
-        q, k, v = self.attention_inputs(x, cos, sin)
-        return self.attention_output_and_mlp(x, self.self_attn.attn(q, k, v, meta))
+        attn = self.self_attn.attn
+        q = self.attention_inputs(x, cos, sin, attn.k_cache, attn.v_cache, meta.slot_mapping)
+        return self.attention_output_and_mlp(x, attn.attend(q, meta))
 
 
 def make_attention_layers(spec: DecoderSpec) -> list[Attention]:
