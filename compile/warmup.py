@@ -113,9 +113,23 @@ def capture_mixed_graphs(runner) -> int:
     return len(graphs.graphs) - before
 
 
+def warm_up_logprobs(runner) -> None:
+    """Compile the logprob scoring (layers/sampler.token_logprobs, dynamic in its rows) before a request asks:
+    a one-row call and a longer one, as dynamo specialises a dimension of size 1."""
+    from ..layers.sampler import compute_logprobs
+    width = runner.model.compute_logits(torch.zeros(1, runner.model.spec.hidden_size, dtype=runner.dtype,
+                                                    device=runner.device)).shape[-1]
+    with torch.inference_mode():
+        for rows in (1, 2):
+            compute_logprobs(torch.zeros(rows, width, device=runner.device),
+                             torch.zeros(rows, dtype=torch.long, device=runner.device), 1, runner.compiled)
+
+
 def warm_up_steps(runner, decode: bool = False) -> float:
-    """Run one dummy step per prefill bucket (and per decode bucket if `decode`); returns the seconds."""
+    """Run one dummy step per prefill bucket (and per decode bucket if `decode`), and compile the logprob
+    scoring; returns the seconds."""
     start = time.perf_counter()
+    warm_up_logprobs(runner)
     for b in prefill_buckets(runner):
         lengths = prompt_lengths(runner, b)
         if lengths is not None:  # (None: no step can pad to this bucket)
@@ -133,6 +147,7 @@ def warm_up_unpadded(runner) -> float:
     step and compile once for any longer one; the paged flash kernel compiles (JIT) once per mask.
     Returns the seconds."""
     start = time.perf_counter()
+    warm_up_logprobs(runner)
     dummy_step(runner, 1, 1)              # T = 1
     dummy_step(runner, 2, 2)              # T >= 2, whole prompts (no paging)
     dummy_step(runner, 3, 1, cached=1)    # decode rows over a cached prefix: the paged kernel

@@ -192,6 +192,23 @@ def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, en
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
+def test_logprobs_and_prompt_logprobs_compile_nothing_after_warm_up(gpu_shaped_engines):
+    """The logprob scoring is compiled (dynamic in its rows) by the warm-up, for sampled and prompt logprobs
+    alike, and gives what the eager scoring gives."""
+    prompts, params = mixed_traffic(n=6, temperature=0, logprobs=2, prompt_logprobs=1)
+    config = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=128)
+    static = LLM(**config)
+    before = compile_count()
+    got = static.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "the logprob scoring compiled after warm-up"
+    gpu_shaped_engines()
+    expected = LLM(**config, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs + a.prompt_logprobs[1:], b.outputs[0].logprobs + b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
 def test_warm_up_covers_buckets_larger_than_the_pool(gpu_shaped_engines):
     """14 decodes land in bucket 16 though the pool has 12 pages: the warm-up must have compiled it."""
     llm = LLM(max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=12, block_size=8, max_model_len=32,

@@ -119,7 +119,7 @@ class ModelRunner:
                                            self.device)
             self.workspace_tokens = self.backend.workspace_pages * self.block_size
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.sampler = Sampler(self.generator)
+        self.sampler = Sampler(self.generator, compiled=self.compiled)
 
         self.num_blocks = config.num_kv_blocks or agree_on_min(measure_num_blocks(self), self.tp)
         self.max_model_len = choose_max_model_len(config, self.hf_config, self.num_blocks)
@@ -342,7 +342,7 @@ class ModelRunner:
             feed_inputs(inputs.input_ids, self.feed(prev, batch.seqs, p.last_rows))
             hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         prompt = score_prompt_tokens(self.model.compute_logits, hidden, batch.seqs, batch.num_new_tokens,
-                                     p.last_rows + 1 - np.asarray(batch.num_new_tokens))
+                                     p.last_rows + 1 - np.asarray(batch.num_new_tokens), self.compiled)
         if not inputs.sample_seqs:
             return [], None, prompt
         return inputs.sample_seqs, self.sample(hidden, inputs), prompt

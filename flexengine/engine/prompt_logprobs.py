@@ -36,7 +36,7 @@ class PromptLogprobs:
 
 
 def score_prompt_tokens(compute_logits, hidden: torch.Tensor, seqs: list[Sequence], num_new: list[int],
-                        first_rows: np.ndarray) -> PromptLogprobs | None:
+                        first_rows: np.ndarray, compiled: bool = False) -> PromptLogprobs | None:
     """For the sequences that ask: the row of position p (packed at first_rows[i] + p - computed) scores
     prompt token p + 1. `computed` is each sequence's count before this step. None when none asks."""
     spans, rows, targets = [], [], []
@@ -59,5 +59,5 @@ def score_prompt_tokens(compute_logits, hidden: torch.Tensor, seqs: list[Sequenc
     parts = []
     for at in range(0, len(targets), ROWS_PER_SLICE):
         logits = compute_logits(hidden[rows_t[at:at + ROWS_PER_SLICE]])
-        parts.append(compute_logprobs(logits, targets_t[at:at + ROWS_PER_SLICE], k))  # the sampler's rule
+        parts.append(compute_logprobs(logits, targets_t[at:at + ROWS_PER_SLICE], k, compiled))  # the sampler's rule
     return PromptLogprobs(spans, *(torch.cat(p) for p in zip(*parts)))

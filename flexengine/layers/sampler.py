@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compile import fused, fused_elementwise
+
 
 @dataclass
 class SamplingTensors:
@@ -133,21 +135,32 @@ def exponential_noise(shape, device, generators, default: torch.Generator | None
     return q
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int):
-    """(logprob of each row's token, its rank, the top k ids and logprobs). The log-softmax is never written
-    out: a prompt-logprobs request scores every prompt row, and [rows, vocab] float32 is 0.5 GB per
-    thousand rows at a 128k vocabulary; the logsumexp, the token's logit and its rank read the logits."""
+@fused
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor):
+    """Each row's token: its logprob (float32 [N]) and rank (int64 [N]), and the row's logsumexp (float32
+    [N, 1]). The log-softmax is never written out: prompt logprobs score every prompt row, and [rows, vocab]
+    in float32 is 0.5 GB per thousand rows at a 128k vocabulary. Compiled (the CUDA engine), the three
+    reductions read the logits in one or two passes."""
     x = logits.float()
     lse = torch.logsumexp(x, -1, keepdim=True)
     chosen = x.gather(-1, token_ids[:, None])
     rank = (x >= chosen).sum(-1)  # ties count as ahead, as vLLM does (logits rank as their logprobs)
-    top = x.topk(k, dim=-1)
-    return (chosen - lse)[:, 0], rank, top.indices, top.values - lse
+    return (chosen - lse)[:, 0], rank, lse
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, compiled: bool = False):
+    """(logprob of each row's token, its rank, the top k ids and logprobs); `compiled`: token_logprobs
+    through Inductor (warmed up by the engine: compile/warmup.warm_up_logprobs)."""
+    with fused_elementwise(compiled):
+        chosen, rank, lse = token_logprobs(logits, token_ids)
+    top = logits.topk(k, dim=-1)
+    return chosen, rank, top.indices, top.values.float() - lse
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator | None = None):
+    def __init__(self, generator: torch.Generator | None = None, compiled: bool = False):
         self.generator = generator  # for rows without their own seed
+        self.compiled = compiled    # the logprob scoring through Inductor (the CUDA engine)
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits float32 [N, V] → one token per row."""
@@ -171,5 +184,6 @@ class Sampler:
             ids = torch.where(t.temperature > 0, sampled, greedy_ids)
         out = SamplerOutput(token_ids=ids)
         if t.num_logprobs >= 0:
-            out.logprob, out.rank, out.top_ids, out.top_logprobs = compute_logprobs(raw, ids, t.num_logprobs)
+            out.logprob, out.rank, out.top_ids, out.top_logprobs = compute_logprobs(raw, ids, t.num_logprobs,
+                                                                                    self.compiled)
         return out
