@@ -18,14 +18,16 @@ def run_bench(tmp_path, *flags) -> dict:
 
 def test_penalties_benchmark(tmp_path):
     result = run_bench(tmp_path, "--output-len", "6", "--penalties")
-    assert result["bench"] == "throughput_penalties" and result["output_tokens"] == 4 * 6
+    assert result["bench"] == "throughput_penalties" and result["output_tokens"] == 2 * 4 * 6  # two runs a side
     assert result["ratio"] > 0 and result["penalised_tokens_per_s"] > 0 and result["plain_tokens_per_s"] > 0
+    assert len(result["plain_runs_s"]) == len(result["penalised_runs_s"]) == 2
 
 
 def test_prompt_logprobs_benchmark(tmp_path):
     result = run_bench(tmp_path, "--prompt-logprobs", "1")
     assert result["bench"] == "throughput_prompt_logprobs" and result["prompt_logprobs"] == 1
-    assert result["prompt_tokens"] == 4 * 8 and result["ratio"] > 0
+    assert result["prompt_tokens"] == 2 * 4 * 8 and result["ratio"] > 0
+    assert len(result["plain_runs_s"]) == len(result["prompt_logprobs_runs_s"]) == 2
 
 
 @pytest.mark.parametrize("flags", [["--penalties", "--prompt-logprobs", "1"], ["--json-schemas", "1", "--penalties"],

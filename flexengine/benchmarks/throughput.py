@@ -13,12 +13,15 @@ so the two runs do the same model work and their ratio is the grammar's cost. Th
 from its first add_request, so the compiles of its new schemas are inside it; their times are stated.
 
 --penalties gives every request repetition_penalty 1.1, presence and frequency penalties 0.5 and a 10-token
-logit_bias, and runs as many other prompts with plain sampling, same lengths, same process: their ratio is
-what the logits processors cost.
+logit_bias, against plain sampling of other prompts, same lengths, same process: their ratio is what the
+logits processors cost.
 
 --prompt-logprobs K is lm-eval's loglikelihood request (max_tokens=1, prompt_logprobs=K; K = 1 is lm-eval's)
-against the plain prefill of as many other prompts of the same length: prompt tokens/s of each, and their ratio.
-The three modes exclude one another.
+against the plain prefill of other prompts of the same length: prompt tokens/s of each, and their ratio.
+
+Both run plain, feature, plain, feature (fresh prompts each time: no prefix-cache hits), so that what the
+first run after the warm-up pays, and the box's drift, land on both sides; the ratio is of the sums, and
+each run's seconds are in the JSON. The three modes exclude one another.
 """
 from __future__ import annotations
 
@@ -138,57 +141,80 @@ def bench_logit_bias(vocab_size: int, seed: int) -> dict[int, float]:
     return {t: 5.0 if i % 2 else -5.0 for i, t in enumerate(ids)}
 
 
+def alternate(llm, args, prompts, plain, feature) -> tuple[list[float], list[float]]:
+    """Seconds of plain(prompts) and feature(prompts) runs, in the order plain, feature, plain, feature, each
+    on prompts of its own (the same lengths)."""
+    times = ([], [])
+    for i in range(4):
+        batch = prompts if i == 0 else random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size,
+                                                        args.seed + i)
+        times[i % 2].append((plain if i % 2 == 0 else feature)(batch))
+    return times
+
+
 def penalties_main(args, llm, prompts) -> int:
     from flexengine import SamplingParams
     n, vocab = args.num_prompts, llm.llm_engine.vocab_size
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature,
                             repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
                             logit_bias=bench_logit_bias(vocab, args.seed))
-    outs, penalised_s = timed(llm.generate, as_requests(prompts), params, use_tqdm=False)
-    check_lengths([len(o.outputs[0].token_ids) for o in outs], n, args.output_len, "penalised")
-    # other prompts of the same length: the penalised run's pages would be prefix-cache hits
-    twins = random_prompts(n, args.input_len, vocab, args.seed + 1)
-    plain_s = generate_fixed(llm, twins, args.output_len, args.temperature)
-    tokens = n * args.output_len
+
+    def penalised(batch) -> float:
+        outs, seconds = timed(llm.generate, as_requests(batch), params, use_tqdm=False)
+        check_lengths([len(o.outputs[0].token_ids) for o in outs], n, args.output_len, "penalised")
+        return seconds
+    plain_runs, penalised_runs = alternate(llm, args, prompts,
+                                           lambda b: generate_fixed(llm, b, args.output_len, args.temperature), penalised)
+    plain_s, penalised_s = sum(plain_runs), sum(penalised_runs)
+    tokens = 2 * n * args.output_len
     print(f"# flexengine throughput, penalties | {device_name()} | {args.model or 'embedded default model'} | "
           f"{engine_mode(llm)} | {n} prompts x {args.input_len} in x {args.output_len} out")
     print(f"Penalised (repetition 1.1, presence 0.5, frequency 0.5, 10-token logit_bias): "
           f"{tokens / penalised_s:.2f} output tokens/s ({penalised_s:.2f} s)")
     print(f"Plain, same lengths: {tokens / plain_s:.2f} output tokens/s ({plain_s:.2f} s)")
-    print(f"Ratio penalised / plain: {plain_s / penalised_s:.3f}")
+    print(f"Ratio penalised / plain: {plain_s / penalised_s:.3f} (runs, in order: plain {plain_runs[0]:.2f} s, "
+          f"penalised {penalised_runs[0]:.2f} s, plain {plain_runs[1]:.2f} s, penalised {penalised_runs[1]:.2f} s)")
     write_json(args.json_out, dict(
         bench="throughput_penalties", device=device_name(), model=args.model, num_prompts=n,
         input_len=args.input_len, output_len=args.output_len, output_tokens=tokens, penalised_s=penalised_s,
         plain_s=plain_s, penalised_tokens_per_s=tokens / penalised_s, plain_tokens_per_s=tokens / plain_s,
-        ratio=plain_s / penalised_s))
+        ratio=plain_s / penalised_s, plain_runs_s=plain_runs, penalised_runs_s=penalised_runs))
     return 0
 
 
 def prompt_logprobs_main(args, llm, prompts) -> int:
     from flexengine import SamplingParams
-    n, k, vocab = args.num_prompts, args.prompt_logprobs, llm.llm_engine.vocab_size
+    n, k = args.num_prompts, args.prompt_logprobs
     scored = SamplingParams(max_tokens=1, ignore_eos=True, temperature=args.temperature, prompt_logprobs=k)
-    outs, scored_s = timed(llm.generate, as_requests(prompts), scored, use_tqdm=False)
-    # Every position read as vLLM's dict (lm-eval reads only the continuation's few; a server's echo reads all),
-    # timed apart: one entry per prompt token, None only for the first, so a run that scored nothing fails.
-    read, read_s = timed(lambda: [o.prompt_logprobs and o.prompt_logprobs[:] for o in outs])
-    assert all(r is not None and len(r) == args.input_len and None not in r[1:] for r in read), \
-        "every output must carry its prompt's logprobs"
-    twins = random_prompts(n, args.input_len, vocab, args.seed + 1)  # no prefix-cache hits on the first run's
-    plain_s = generate_fixed(llm, twins, 1, args.temperature)
-    tokens = n * args.input_len
+    reads = []
+
+    def scoring(batch) -> float:
+        outs, seconds = timed(llm.generate, as_requests(batch), scored, use_tqdm=False)
+        # Every position read as vLLM's dict (lm-eval reads only the continuation's few; a server's echo reads
+        # all), timed apart: one entry per prompt token, None only for the first, so a run that scored nothing fails.
+        read, read_s = timed(lambda: [o.prompt_logprobs and o.prompt_logprobs[:] for o in outs])
+        assert all(r is not None and len(r) == args.input_len and None not in r[1:] for r in read), \
+            "every output must carry its prompt's logprobs"
+        reads.append(read_s)
+        return seconds
+    plain_runs, scored_runs = alternate(llm, args, prompts, lambda b: generate_fixed(llm, b, 1, args.temperature),
+                                        scoring)
+    plain_s, scored_s, read_s = sum(plain_runs), sum(scored_runs), sum(reads)
+    tokens = 2 * n * args.input_len
     print(f"# flexengine throughput, prompt logprobs | {device_name()} | {args.model or 'embedded default model'} "
           f"| {engine_mode(llm)} | {n} prompts x {args.input_len} in x 1 out | prompt_logprobs={k}")
     print(f"With prompt logprobs: {tokens / scored_s:.2f} prompt tokens/s ({scored_s:.2f} s)")
     print(f"Plain prefill: {tokens / plain_s:.2f} prompt tokens/s ({plain_s:.2f} s)")
-    print(f"Ratio prompt logprobs / plain: {plain_s / scored_s:.3f}")
+    print(f"Ratio prompt logprobs / plain: {plain_s / scored_s:.3f} (runs, in order: plain {plain_runs[0]:.2f} s, "
+          f"scored {scored_runs[0]:.2f} s, plain {plain_runs[1]:.2f} s, scored {scored_runs[1]:.2f} s)")
     print(f"Reading every position as a dict afterwards: {read_s:.2f} s (ratio with it: "
           f"{plain_s / (scored_s + read_s):.3f})")
     write_json(args.json_out, dict(
         bench="throughput_prompt_logprobs", device=device_name(), model=args.model, num_prompts=n,
         input_len=args.input_len, prompt_logprobs=k, prompt_tokens=tokens, prompt_logprobs_s=scored_s,
         plain_s=plain_s, prompt_logprobs_tokens_per_s=tokens / scored_s, plain_tokens_per_s=tokens / plain_s,
-        ratio=plain_s / scored_s, read_every_position_s=read_s, ratio_with_reading=plain_s / (scored_s + read_s)))
+        ratio=plain_s / scored_s, read_every_position_s=read_s, ratio_with_reading=plain_s / (scored_s + read_s),
+        plain_runs_s=plain_runs, prompt_logprobs_runs_s=scored_runs))
     return 0
 
 
