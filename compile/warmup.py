@@ -78,7 +78,7 @@ def dummy_step(runner, num_seqs: int, tokens_each: int, cached: int = 0) -> None
 def run_dummy(runner, seqs: list, num_new_tokens: list[int]) -> None:
     from ..engine.scheduler import ScheduledBatch
     with torch.inference_mode():
-        inputs = runner.prepare_step(ScheduledBatch(seqs, num_new_tokens), sampling=False)
+        inputs = runner.prepare_step(ScheduledBatch(seqs, num_new_tokens))
         runner.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
 
 

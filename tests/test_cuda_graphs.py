@@ -41,7 +41,7 @@ def test_static_buffer_decode_matches_the_ordinary_step():
     for seqs in ([fake_seq(0, 20, [3, 9, 4]), fake_seq(1, 5, [7]), fake_seq(2, 9, [12, 1])],
                  [fake_seq(3, 1, [5])]):
         with torch.inference_mode():
-            inputs = r.prepare_step(ScheduledBatch(seqs, [1] * len(seqs)), sampling=False)
+            inputs = r.prepare_step(ScheduledBatch(seqs, [1] * len(seqs)))
             expected = r.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
             got = g.run(*r.prepare_decode(seqs))
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -60,7 +60,7 @@ def test_decode_moved_on_matches_the_ordinary_step():
     free, moved = iter(range(20, 32)), []
     for step in range(7):
         with torch.inference_mode():
-            inputs = r.prepare_step(ScheduledBatch(seqs, [1] * len(seqs)), sampling=False)
+            inputs = r.prepare_step(ScheduledBatch(seqs, [1] * len(seqs)))
             expected = r.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
             calls = len(graphs_moved)
             got = r.decode_from_graphs(seqs, None)
@@ -99,7 +99,7 @@ def test_static_buffer_mixed_step_matches_the_ordinary_step():
     for seqs, new in steps:
         batch = ScheduledBatch(seqs, new)
         with torch.inference_mode():
-            inputs = r.prepare_step(batch, sampling=False)
+            inputs = r.prepare_step(batch)
             expected = r.run_model(inputs.input_ids, inputs.positions, inputs.meta)
             p = r.pack_step(batch)
             assert g.fits(p.layout)

@@ -111,7 +111,7 @@ def profile_kv_budget(runner) -> int:
         seq = Sequence(request_id="profile", index=0, token_ids=[0] * n, num_prompt_tokens=n, params=None)
         seq.block_table = [next(pages) for _ in range(-(-n // P))]
         seqs.append(seq)
-    inputs = runner.prepare_step(ScheduledBatch(seqs, lens), sampling=False)
+    inputs = runner.prepare_step(ScheduledBatch(seqs, lens))
     hidden = runner.run_model(inputs.input_ids, inputs.positions, inputs.meta)
     logits = runner.model.compute_logits(hidden[inputs.sample_rows])
     runner.sampler(logits, SamplingTensors(temperature=torch.ones(len(seqs), device=device)))

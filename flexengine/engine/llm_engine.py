@@ -285,14 +285,16 @@ class LLMEngine:
     def _step(self) -> dict[str, Request]:
         """Run a step; → the requests that progressed in the step it completes."""
         if self._grammar_in_flight():
-            # A grammar row's next mask needs the token in flight on the host: read that step back before
-            # scheduling the next (such steps lose async scheduling's overlap; the mask is still filled
-            # while the device runs the forward).
-            done, self.in_flight = self.in_flight, None
-            progressed = self.process(done)
+            # A grammar row's next mask needs the token in flight: the next step's forward is queued first,
+            # then the step in flight is read back and processed (its tokens reach the grammars) while the
+            # device runs that forward, and only then is the mask filled and the sampler queued.
+            done, progressed = self.in_flight, {}
             batch = self.scheduler.schedule()
             assert batch.num_steps == 1, "multi-step decode excludes async scheduling"
-            self.in_flight = self.launch(batch) if batch.seqs else None
+            read_back = lambda: progressed.update(self.process(done))  # noqa: E731
+            self.in_flight = self.launch(batch, before_sampling=read_back) if batch.seqs else None
+            if self.in_flight is None:
+                read_back()
             return progressed
         batch = self.scheduler.schedule()
         if batch.num_steps > 1:
@@ -315,14 +317,16 @@ class LLMEngine:
             return False
         return any(s.grammar is not None for s in self.in_flight.seqs)
 
-    def launch(self, batch) -> InFlightStep:
-        """Queue the step on the device; each sequence that samples holds a PENDING token until it is read."""
-        seqs, out, prompt = self.runner.execute(batch, self.in_flight)
+    def launch(self, batch, before_sampling=None) -> InFlightStep:
+        """Queue the step on the device; each sequence that samples holds a PENDING token until it is read
+        (one that `before_sampling` finished gets none: its token will be dropped)."""
+        seqs, out, prompt = self.runner.execute(batch, self.in_flight, before_sampling)
         step = InFlightStep.launch(batch, seqs, out, prompt)
         self.scheduler.mark_launched(batch)
         for seq in seqs:
-            seq.token_ids.append(PENDING)
-            seq.num_pending += 1
+            if not seq.is_finished:
+                seq.token_ids.append(PENDING)
+                seq.num_pending += 1
         return step
 
     def process(self, step: InFlightStep) -> dict[str, Request]:

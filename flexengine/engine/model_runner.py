@@ -4,8 +4,9 @@ A step is three functions named for what they do:
   prepare_step(batch) -> StepInputs    host lists → device tensors (one transfer each) + metadata (once)
                                        (pack_step is its host half; a mixed CUDA graph takes that directly)
   run_model(input_ids, positions, meta) -> hidden   the only call the compile layer needs to wrap
-  sample(hidden, inputs) -> SamplerOutput           logits only for rows that need a token
+  sample_logits(logits, seqs, prev) -> SamplerOutput  logits only for rows that need a token
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,7 @@ from ..attention.layout import StepLayout, plan_layout
 from ..attention.staging import to_device
 from ..compile import fused_elementwise
 from ..config import EngineConfig, resolve_device
-from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from ..layers.sampler import Sampler, SamplerOutput
 from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_blocks, text_config, wanted_max_model_len,
                         workspace_tokens_wanted)
 from .layer_mods import apply_mod_overrides, mod_params
@@ -47,7 +48,6 @@ class StepInputs:
     meta: AttentionMetadata
     sample_seqs: list[Sequence]       # sequences that get a token this step, in row order
     sample_rows: torch.Tensor         # int64 [N]: their last token's row in the packed batch
-    sampling: SamplingTensors | None
 
 
 @dataclass
@@ -201,8 +201,7 @@ class ModelRunner:
         return PackedStep(ids, positions, slots, tables, padded_lens, layout, [seqs[i] for i in done], ends[done] - 1,
                           ends - 1)
 
-    def prepare_step(self, batch: ScheduledBatch, sampling: bool = True, packed: PackedStep | None = None,
-                     prev: InFlightStep | None = None) -> StepInputs:
+    def prepare_step(self, batch: ScheduledBatch, packed: PackedStep | None = None) -> StepInputs:
         """pack_step (unless given), then the device half: one transfer per array, the metadata built once."""
         p = packed or self.pack_step(batch)
         num_blocks = self.layers[0].k_cache.shape[0]  # the attached cache (a scratch one while profiling)
@@ -216,8 +215,7 @@ class ModelRunner:
         self.backend.prepare(meta, self.mods)
         return StepInputs(
             input_ids=self.to_device(p.ids), positions=self.to_device(p.positions), meta=meta,
-            sample_seqs=p.sample_seqs, sample_rows=self.to_device(p.sample_rows),
-            sampling=self.sampling.tensors(p.sample_seqs, prev) if sampling and p.sample_seqs else None)
+            sample_seqs=p.sample_seqs, sample_rows=self.to_device(p.sample_rows))
 
     def layout_padding(self, query_lens: list[int], seq_lens: list[int]) -> dict:
         """With static shapes, pad decode rows and prefill tiles to the compiled buckets (the split-KV
@@ -259,9 +257,11 @@ class ModelRunner:
         with fused_elementwise(self.compiled):  # this engine's setting, whatever other engines use
             return self.model(input_ids, positions, meta)
 
-    def sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        return self.sampler(logits, inputs.sampling)
+    def sample_logits(self, logits: torch.Tensor, seqs: list[Sequence], prev: InFlightStep | None,
+                      before_sampling=None) -> SamplerOutput:
+        if before_sampling is not None:
+            before_sampling()
+        return self.sampler(logits, self.sampling.tensors(seqs, prev))
 
     # ---------------------------------------------------------------- CUDA graphs for decode
     def forward_logits(self, input_ids, positions, meta) -> torch.Tensor:
@@ -317,35 +317,36 @@ class ModelRunner:
                 and g.bucket_for(len(batch.seqs)) is not None)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, prev: InFlightStep | None = None) \
+    def execute(self, batch: ScheduledBatch, prev: InFlightStep | None = None, before_sampling=None) \
             -> tuple[list[Sequence], SamplerOutput | None, PromptLogprobs | None]:
         """One step: → (sequences that got a token, their sampler output, the prompt logprobs of the
         sequences that ask), all still on the device.
 
-        prev: the step launched before this one, whose samples are this step's PENDING input tokens."""
+        prev: the step launched before this one, whose samples are this step's PENDING input tokens.
+        before_sampling: called once the forward is queued, before the sampling inputs are made (the engine
+        reads `prev` back there when a grammar's mask needs its tokens: the device runs the forward meanwhile)."""
         if self.decode_with_graphs(batch):  # every row is a sequence's last token: no prompt token to score
             logits = self.decode_from_graphs(batch.seqs, prev)
-            return batch.seqs, self.sampler(logits, self.sampling.tensors(batch.seqs, prev)), None
+            return batch.seqs, self.sample_logits(logits, batch.seqs, prev, before_sampling), None
         self.decode_tracker.forget()  # (the graphs' buffers stay as they are, but the batch moves on without them)
         p = self.pack_step(batch) if self.mixed_graphs is not None else None
         if p is not None and self.mixed_graphs.fits(p.layout):  # a step with prompt tokens, from a graph
             hidden = self.mixed_graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
                                            self.attention_params(batch.seqs, len(p.seq_lens)),
                                            feed=partial(feed_inputs, fed=self.feed(prev, batch.seqs, p.last_rows)))
-            inputs = StepInputs(  # the graph's buffers hold the model inputs
-                input_ids=None, positions=None, meta=None, sample_seqs=p.sample_seqs,
-                sample_rows=self.to_device(p.sample_rows),
-                sampling=self.sampling.tensors(p.sample_seqs, prev) if p.sample_seqs else None)
         else:
             p = p or self.pack_step(batch)
-            inputs = self.prepare_step(batch, packed=p, prev=prev)
+            inputs = self.prepare_step(batch, packed=p)
             feed_inputs(inputs.input_ids, self.feed(prev, batch.seqs, p.last_rows))
             hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         prompt = score_prompt_tokens(self.model.compute_logits, hidden, batch.seqs, batch.num_new_tokens,
                                      p.last_rows + 1 - np.asarray(batch.num_new_tokens), self.compiled)
-        if not inputs.sample_seqs:
+        if not p.sample_seqs:
+            if before_sampling is not None:
+                before_sampling()
             return [], None, prompt
-        return inputs.sample_seqs, self.sample(hidden, inputs), prompt
+        logits = self.model.compute_logits(hidden[self.to_device(p.sample_rows)])
+        return p.sample_seqs, self.sample_logits(logits, p.sample_seqs, prev, before_sampling), prompt
 
     def feed(self, prev: InFlightStep | None, seqs: list[Sequence], last_rows):
         """The rows of this step whose input is a PENDING sample of `prev`, with its values (on the device)."""

@@ -166,9 +166,13 @@ class GrammarState:
     rejected: int | None = None  # a token the grammar did not allow (only if every token was banned)
 
 
-def fill_token_mask(seqs, rows, device) -> TokenMask:
+def fill_token_mask(seqs, rows, device) -> TokenMask | None:
     """Each grammar row's allowed next tokens, filled on the host by the rows' matchers (xgrammar's
-    batch_fill_next_token_bitmask, on several threads), then one copy to the device."""
+    batch_fill_next_token_bitmask, on several threads), then one copy to the device. A sequence that
+    finished after the step was queued (its grammar may be done) gets no mask: its token is dropped."""
+    rows = [row for row in rows if not seqs[row].is_finished]
+    if not rows:
+        return None
     first = seqs[rows[0]].grammar
     device = torch.device(device)
     # Filled where the copy reads it: pinned on CUDA (torch's caching host allocator reuses the block once
