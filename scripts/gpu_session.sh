@@ -11,10 +11,10 @@
 # (scripts/step_host_time.py: host time of each step's inputs), softcap (scripts/softcap_probe.py), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
 # still run without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto,
-# flash), sampling (issue 20's sampling targets, `bench throughput` on the checkpoint: --json-schemas 1 and 16
-# and --penalties at 256 x 256 x 256, --prompt-logprobs 1 at 1000 x 256 x 1; JSON in $OUT/sampling_*.json; the
-# carried xgrammar, apache-tvm-ffi and what else the box lacks go to /tmp/sampling_site, on the path of these
-# runs only), tp2 and tp2_speed (issue 23, on two GPUs: the llama-3.1-8b-shaped checkpoint in $MODEL8B_DIR; tp2:
+# flash), sampling (issue 20's sampling targets on one engine, scripts/sampling_suite.py: what `bench throughput`
+# gives with --json-schemas 1 and 16 and --penalties at 256 x 256 x 256, and --prompt-logprobs 1 at 1000 x 256 x 1;
+# JSON in $OUT/sampling_*.json; the carried xgrammar, apache-tvm-ffi and what else the box lacks go to
+# /tmp/sampling_site, on the path of this run only), tp2 and tp2_speed (issue 23, on two GPUs: the llama-3.1-8b-shaped checkpoint in $MODEL8B_DIR; tp2:
 # scripts/tp_parity.py and the two-GPU tests; tp2_speed: batch-1 latency and 256 x 256 x 256 throughput at TP=1
 # and TP=2, then a profile of TP=2 decode steps with the all-reduces' share). The end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR. At the end
@@ -75,13 +75,6 @@ e2e() {
   step "e2e_${1}" "$left" env STEPS="$*" BUDGET="$left" bash scripts/e2e_bench.sh
 }
 
-# sampling_bench NAME FLAGS...: bench throughput on the checkpoint, with the carried wheels on the path (xgrammar)
-sampling_bench() {
-  local name=sampling_$1; shift
-  step "$name" 200 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 -m flexengine.cli bench \
-    throughput --model "$MODEL_DIR" --dtype bfloat16 "$@" ${ENGINE_ARGS:-} --json-out "$OUT/$name.json"
-}
-
 # carried_site DIR: the carried wheels (.whl/, scripts/serve_wheels.sh) that the box lacks or has older, in DIR
 carried_site() {
   local newer
@@ -130,11 +123,9 @@ for stage in ${*:-tests attention compare latency}; do
     softcap) step softcap_probe 200 python3 scripts/softcap_probe.py ;;  # what a softcap score mod costs in FA4
     sampling) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1 ||
              STATUS+=("sampling: carried wheels failed to install (install.log); runs without them")
-           sizes=(--num-prompts 256 --input-len 256 --output-len 256)
-           sampling_bench json_schemas_1 "${sizes[@]}" --json-schemas 1  # issue 20: >= 0.85x unconstrained
-           sampling_bench json_schemas_16 "${sizes[@]}" --json-schemas 16
-           sampling_bench penalties "${sizes[@]}" --penalties  # >= 0.95x plain
-           sampling_bench prompt_logprobs --num-prompts 1000 --input-len 256 --output-len 1 --prompt-logprobs 1; } ;;  # >= 0.9x
+           # issue 20's four workloads on one engine (scripts/sampling_suite.py: one start-up, not four)
+           step sampling_suite 480 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 \
+             scripts/sampling_suite.py --model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --out "$OUT"; } ;;
     tp2) model8b && { step tp2_parity 360 python3 scripts/tp_parity.py --model "$MODEL8B_DIR" -tp 2 \
            --json "$OUT/tp2_parity.json"
            step tp2_gpu_tests 200 python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short tests/test_tensor_parallel.py; } ;;

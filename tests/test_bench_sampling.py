@@ -36,3 +36,18 @@ def test_benchmark_modes_exclude_one_another(flags, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([*TINY, *flags])
     assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_the_sampling_suite_runs_every_workload_on_one_engine(tmp_path):
+    """scripts/sampling_suite.py (gpu_session.sh's sampling stage): the four workloads, one start-up."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(__file__))
+    subprocess.run([sys.executable, "scripts/sampling_suite.py", "--num-prompts", "4", "--input-len", "8",
+                    "--output-len", "4", "--num-kv-blocks", "64", "--attention-backend", "reference",
+                    "--out", str(tmp_path)], check=True, cwd=root, timeout=300, capture_output=True)
+    results = {name: json.loads((tmp_path / f"sampling_{name}.json").read_text())
+               for name in ("json_schemas_1", "json_schemas_16", "penalties", "prompt_logprobs")}
+    assert results["json_schemas_16"]["json_schemas"] == 16 and results["penalties"]["output_tokens"] == 2 * 4 * 4
+    assert results["prompt_logprobs"]["num_prompts"] == 1000 and all(r["ratio"] > 0 for r in results.values())

@@ -105,7 +105,7 @@ def structured_main(args, llm, prompts) -> int:
     grammars = llm.llm_engine.grammars
     outs, constrained_s = timed(llm.generate, as_requests(prompts), constrained, use_tqdm=False)
     lengths = [len(o.outputs[0].token_ids) for o in outs]
-    compile_s = [grammars.compile_seconds[spec.key()] for spec in specs]
+    compile_s = [grammars.compile_seconds[spec.key()] for spec in specs[:n]]  # (fewer prompts than schemas: the used ones)
     free = [SamplingParams(max_tokens=k, ignore_eos=True, temperature=args.temperature) for k in lengths]
     # other prompts of the same length: the constrained run's pages would be prefix-cache hits
     twins = random_prompts(n, args.input_len, llm.llm_engine.vocab_size, args.seed + 1)
