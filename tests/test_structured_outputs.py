@@ -338,10 +338,11 @@ def test_throughput_benchmark_with_json_schemas(capsys, tmp_path):
     assert cli.main(["bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "24",
                      "--json-schemas", "2", "--attention-backend", "reference", "--num-kv-blocks", "32", "--json-out", str(out_json)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^Ratio constrained / unconstrained: [0-9.]+$", out, re.M), out
+    assert re.search(r"^Ratio constrained / unconstrained, both rounds: [0-9.]+$", out, re.M), out
     assert re.search(r"^Grammar compile \(first request of each schema\): first [0-9.]+ ms", out, re.M), out
     result = json.loads(out_json.read_text())
-    assert result["json_schemas"] == 2 and len(result["compile_s"]) == 2 and 0 < result["output_tokens"] <= 4 * 24
+    assert result["json_schemas"] == 2 and len(result["compile_s"]) == 2 and 0 < result["output_tokens"] <= 2 * 4 * 24
+    assert len(result["rounds"]) == 2 and sum(r["output_tokens"] for r in result["rounds"]) == result["output_tokens"]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
