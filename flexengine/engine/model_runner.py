@@ -6,7 +6,6 @@ A step is three functions named for what they do:
   run_model(input_ids, positions, meta) -> hidden   the only call the compile layer needs to wrap
   sample_logits(logits, seqs, prev) -> SamplerOutput  logits only for rows that need a token
 """
-
 from __future__ import annotations
 
 import logging
