@@ -250,6 +250,37 @@ def test_multi_step_decode_equals_one_step(gpu_shaped_engines):
     assert any(capped), "no request reached max_model_len"
 
 
+def test_multi_step_decode_with_penalties_bias_and_min_tokens_equals_one_step(gpu_shaped_engines):
+    """Repetition, frequency and presence penalties, logit_bias and min_tokens under num_scheduler_steps=4: each
+    step of a pass sees the tokens the steps before it sampled (written on the device), so seeded sampling gives
+    exactly the one-step tokens. Odd requests bias EOS (a-g below) far up, so that each stops as soon as
+    min_tokens lets it; a pass that held EOS back for its later steps too would end them later."""
+    prompts, params = mixed_traffic(n=8, max_len=40, max_tokens=30, temperature=0.9, repetition_penalty=1.3,
+                                    frequency_penalty=0.6, presence_penalty=0.4)
+    for i, p in enumerate(params):
+        p.seed, p.logit_bias = i, {5: 2.0, 9: -3.0}
+        if i % 2:
+            p.ignore_eos, p.min_tokens = False, 2 + i % 5
+            p.logit_bias.update({t: 12.0 for t in range(97, 104)})
+    config = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=64)
+    results = {}
+    for steps in (1, 4):
+        llm = LLM(**config, num_scheduler_steps=steps)
+        engine = llm.llm_engine
+        engine.eos_token_ids = frozenset(range(97, 104))
+        multi = []
+        execute = engine.runner.execute_multi_step
+        engine.runner.execute_multi_step = lambda batch: multi.append(batch.num_steps) or execute(batch)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert engine.num_free_blocks() == engine.num_total_blocks
+        assert (max(multi, default=1) == 4) == (steps == 4)
+        results[steps] = [o.outputs[0].token_ids for o in outs]
+    assert results[4] == results[1]
+    room = [min(p.max_tokens, 64 - len(q["prompt_token_ids"])) for q, p in zip(prompts, params)]  # max_model_len
+    assert all(len(t) == (min(p.min_tokens + 1, n) if i % 2 else n)
+               for i, (t, p, n) in enumerate(zip(results[1], params, room)))
+
+
 @pytest.mark.parametrize("num_tokens", [5, 1])
 def test_compiled_layer_regions_match_eager(num_tokens):
     """A decoder layer's two compiled regions (Inductor, here on CPU) against the same code run eagerly: the

@@ -119,6 +119,7 @@ class LogitsAdjuster:
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.histories = PenaltyHistories(max_num_seqs, device)
         self.last: tuple[list[Sequence] | None, tuple] = (None, ())
+        self.written: tuple = ()  # the last update's (slots, prompt lengths, lengths, longest), for step_on
 
     def __call__(self, seqs: list[Sequence], pending=None) -> LogitsAdjust | None:
         params = [s.params for s in seqs]
@@ -130,12 +131,32 @@ class LogitsAdjuster:
         out = LogitsAdjust(banned=self.banned(seqs) if min_tokens else None, bias=bias)
         if penalised:
             group = [seqs[i] for i in penalised]
-            slots, prompt_lens, lengths, longest = self.histories.update(group, penalised, pending, len(seqs))
-            pos = torch.arange(longest, device=self.device)
-            out.rows, out.repetition, out.frequency, out.presence = coefficients
-            out.tokens = self.histories.hist_SC[slots, :len(pos)]
-            out.is_output = (pos >= prompt_lens[:, None]) & (pos < lengths[:, None])
+            self.written = self.histories.update(group, penalised, pending, len(seqs))
+            self.penalties_into(out, coefficients, 0)
         return out
+
+    def step_on(self, seqs: list[Sequence], sampled: torch.Tensor, k: int) -> LogitsAdjust:
+        """Step k >= 1 of a multi-step decode of `seqs` (the batch of the last call): each penalised row's history
+        gains the token step k - 1 sampled (`sampled`, on the device, written there), and min_tokens counts k
+        more outputs than the host knows of."""
+        bias, penalised, coefficients, min_tokens = self.last[1]
+        out = LogitsAdjust(banned=self.banned(seqs, k) if min_tokens else None, bias=bias)
+        if penalised:
+            slots, _, lengths, longest = self.written
+            self.histories.grow(longest + k)
+            self.histories.hist_SC[slots, lengths + (k - 1)] = sampled[coefficients[0]]
+            for i in penalised:  # the slot holds it now; the host's copy of the token comes after the pass
+                self.histories.written[seqs[i].seq_id] += 1
+            self.penalties_into(out, coefficients, k)
+        return out
+
+    def penalties_into(self, out: LogitsAdjust, coefficients, k: int) -> None:
+        """The penalised rows' histories as of the last update, plus the k tokens multi-step wrote since."""
+        slots, prompt_lens, lengths, longest = self.written
+        pos = torch.arange(longest + k, device=self.device)
+        out.rows, out.repetition, out.frequency, out.presence = coefficients
+        out.tokens = self.histories.hist_SC[slots, :len(pos)]
+        out.is_output = (pos >= prompt_lens[:, None]) & (pos < lengths[:, None] + k)
 
     def fixed_parts(self, seqs: list[Sequence]):
         """(logit_bias as (rows, ids, values), the penalised rows, their (rows, repetition, frequency,
@@ -153,8 +174,9 @@ class LogitsAdjuster:
                                    params[i].presence_penalty) for i in rows], dtype=np.float32).T.copy(), self.device)
         return bias or None, rows, (c[0].long(), c[1], c[2], c[3]), min_tokens  # (row numbers are exact in float32)
 
-    def banned(self, seqs: list[Sequence]):
-        pairs = [(i, t) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens
+    def banned(self, seqs: list[Sequence], ahead: int = 0):
+        """(rows, token ids) held back by min_tokens; `ahead`: outputs sampled that the host has not seen yet."""
+        pairs = [(i, t) for i, s in enumerate(seqs) if s.num_output_tokens + ahead < s.params.min_tokens
                  for t in s.min_tokens_stops]
         return tuple(to_device(np.asarray(pairs, dtype=np.int64).T.copy(), self.device)) if pairs else None
 

@@ -362,8 +362,9 @@ class ModelRunner:
         self.decode_tracker.forget()  # run_next moves the buffers on num_steps times
         sampling = self.sampling.tensors(batch.seqs)
         tokens = [self.sampler(self.decode_graphs.run(*self.prepare_decode(batch.seqs)), sampling).token_ids]
-        for _ in range(batch.num_steps - 1):
-            tokens.append(self.sampler(self.decode_graphs.run_next(tokens[-1]), sampling).token_ids)
+        for k in range(1, batch.num_steps):
+            step_k = self.sampling.step_on(sampling, batch.seqs, tokens[-1], k)  # penalties see the tokens so far
+            tokens.append(self.sampler(self.decode_graphs.run_next(tokens[-1]), step_k).token_ids)
         return torch.stack(tokens)
 
     def make_generator(self, seed: int) -> torch.Generator:

@@ -39,6 +39,13 @@ class SamplingInputs:
         adjust = self.adjuster(seqs, pending)  # the histories grew: every step
         return tensors if adjust is None else dataclasses.replace(tensors, adjust=adjust)
 
+    def step_on(self, tensors: SamplingTensors, seqs: list[Sequence], sampled: torch.Tensor, k: int) -> SamplingTensors:
+        """The sampling inputs of step k >= 1 of a multi-step decode (`tensors`: step 0's, from tensors()):
+        the logits processors see the tokens the steps before it sampled, on the device."""
+        if not tensors.adjusts_logits:
+            return tensors
+        return dataclasses.replace(tensors, adjust=self.adjuster.step_on(seqs, sampled, k))
+
 
 def build_sampling_tensors(seqs: list[Sequence], device: torch.device) -> SamplingTensors:
     params = [s.params for s in seqs]

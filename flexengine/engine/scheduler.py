@@ -24,9 +24,10 @@ from .sequence import Sequence, SequenceStatus
 
 
 def multi_step_ok(params) -> bool:
-    """Multi-step decode's sampler returns no logprobs, and feeds tokens on without their history (nor the
-    host's grammar matcher, which must see each token before the next step's mask)."""
-    return params.logprobs is None and not params.adjusts_logits and params.structured_outputs is None
+    """Multi-step decode's sampler returns no logprobs, and feeds tokens on without the host's grammar
+    matcher, which must see each token before the next step's mask. (Penalties, logit_bias and min_tokens
+    follow the tokens on the device: LogitsAdjuster.step_on.)"""
+    return params.logprobs is None and params.structured_outputs is None
 
 
 def tokens_wanted(seq: Sequence) -> float:
