@@ -12,7 +12,8 @@
 #   compare_transformers throughput_eager latency_eager compare_prompt_heavy compare_long to run, in that
 #   order; default the first five), ENGINE_ARGS (extra engine flags for every run, e.g.
 #   "--num-scheduler-steps 8"). The prompt-heavy comparisons (issue 15): compare_prompt_heavy is 64 prompts
-#   x 2048 tokens x 16 out (vLLM's benchmark_throughput --input-len 2048 --output-len 16), compare_long
+#   x 2048 tokens x 16 out (vLLM's benchmark_throughput --input-len 2048 --output-len 16), throughput_sync and
+#   latency_sync (throughput and latency with --no-async-scheduling, the default before session 15), compare_long
 #   16 x 6144 x 256. long_context (issue 24): prefill of 8k, 16k, 32k and 64k prompts against transformers'
 #   forward, at the engine's default max_model_len (the model's context) unless ENGINE_ARGS says otherwise.
 set -u
@@ -80,6 +81,11 @@ B1=(); (( BATCH1 )) && B1=(--batch1)
 want compare_transformers && run_step compare_transformers $(( BATCH1 ? 300 : 200 )) "$PY" -m flexengine.benchmarks.compare_transformers "${COMMON[@]}" \
   --num-prompts "$NUM_PROMPTS" --tf-num-prompts "$TF_PROMPTS" --input-len 256 --output-len 256 ${B1[@]+"${B1[@]}"} \
   --json-out "$OUT/compare_transformers.json"
+# the same two runs without async scheduling (the default before session 15): what it is worth, in one call
+want throughput_sync && run_step throughput_sync 150 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" \
+  --no-async-scheduling --num-prompts "$NUM_PROMPTS" --input-len 256 --output-len 256 --json-out "$OUT/throughput_sync.json"
+want latency_sync && run_step latency_sync 120 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --no-async-scheduling \
+  --max-num-seqs 1 --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 --json-out "$OUT/latency_sync.json"
 want throughput_eager && run_step throughput_eager 120 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --enforce-eager \
   --num-prompts "$NUM_PROMPTS" --input-len 256 --output-len 256 --json-out "$OUT/throughput_eager.json"
 want latency_eager && run_step latency_eager 100 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --max-num-seqs 1 --enforce-eager --batch-size 1 \

@@ -6,7 +6,8 @@
 # table), attention_window (the same with sliding_window(1024) + softcap(30)), compare (flexengine vs
 # transformers generate_batch, 256 x 256 x 256), prompt_heavy (the same, 64 x 2048 x 16), long (16 x 6144 x
 # 256), long_context (8k-64k prompts' prefill vs transformers' forward), profile_long (one 64k prefill's
-# kernels), throughput, latency (batch 1), eager (throughput and latency with --enforce-eager), serve
+# kernels), throughput, latency (batch 1), eager (throughput and latency with --enforce-eager), sync (the same
+# two without async scheduling), serve
 # (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), host
 # (scripts/step_host_time.py: host time of each step's inputs), softcap (scripts/softcap_probe.py), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
@@ -106,6 +107,7 @@ for stage in ${*:-tests attention compare latency}; do
            ${PROFILE_ARGS:-} ;;                # one 64k prompt: wall vs GPU busy, kernels by group
     throughput|latency) e2e "$stage" ;;
     eager) e2e latency_eager throughput_eager ;;
+    sync) e2e throughput_sync latency_sync ;;  # without async scheduling (on by default from session 15)
     serve) step serve 300 bash scripts/serve_bench.sh ;;  # it makes the checkpoint itself
     fa4) step fa4 150 bash scripts/fa4_install.sh true && FA4_PATH=$(bash scripts/fa4_install.sh path) && \
            export PYTHONPATH="$FA4_PATH${PYTHONPATH:+:$PYTHONPATH}" && \
