@@ -146,3 +146,41 @@ def test_greedy_with_processors_matches_transformers_step_by_step(llama, overlap
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(max_tokens=16, **{field: value})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.lists(st.tuples(params_st, st.lists(st.integers(0, V - 1), min_size=1, max_size=5)), min_size=1,
+                     max_size=4),
+       passes=st.lists(st.lists(st.lists(st.integers(0, V - 1), min_size=4, max_size=4), min_size=1, max_size=4),
+                       min_size=1, max_size=3),
+       seed=st.integers(0, 1000))
+def test_multi_step_passes_follow_the_sampled_tokens(rows, passes, seed):
+    """Multi-step passes (LogitsAdjuster.step_on): step k of a pass sees the tokens steps 0..k-1 sampled, which
+    only the device has, in its penalties and min_tokens, as the plain formulas over the grown history; the
+    host's copies arrive after the pass, and the next pass goes on from them."""
+    seqs = []
+    for i, (p, prompt) in enumerate(rows):
+        seq = Sequence(request_id=str(i), index=0, token_ids=list(prompt), num_prompt_tokens=len(prompt), params=p)
+        seq.min_tokens_stops = frozenset(p.stop_token_ids)
+        seqs.append(seq)
+    adjuster = LogitsAdjuster(V, "cpu", len(seqs))
+    gen = torch.Generator().manual_seed(seed)
+    for steps in passes:  # each: the tokens step k samples, per row
+        sampled = []
+        for k, tokens in enumerate(steps):
+            with no_device_syncs():  # (the runner steps on only where a row adjusts its logits)
+                if k == 0 or not any(s.params.adjusts_logits for s in seqs):
+                    adjust = adjuster(seqs) if k == 0 else None
+                else:
+                    adjust = adjuster.step_on(seqs, torch.tensor(sampled[-1]), k)
+            logits = torch.randn(len(seqs), V, generator=gen)
+            got = logits if adjust is None else apply_adjust(logits, adjust)
+            for row, seq in enumerate(seqs):
+                p = seq.params
+                history = seq.token_ids + [s[row] for s in sampled]
+                prompt, output = history[:seq.num_prompt_tokens], history[seq.num_prompt_tokens:]
+                want = plain_adjust(logits[row].tolist(), prompt, output, p, set(p.stop_token_ids))
+                assert got[row].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5), (row, k, history)
+            sampled.append(tokens[:len(seqs)] + [0] * (len(seqs) - len(tokens)))
+        for row, seq in enumerate(seqs):  # the pass's tokens reach the host
+            seq.token_ids += [s[row] for s in sampled]
