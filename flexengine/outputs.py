@@ -42,6 +42,9 @@ class FlatLogprobs(Sequence):
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def __iter__(self):
+        return iter(self.positions(range(len(self))))
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return self.positions(range(*i.indices(len(self))))
