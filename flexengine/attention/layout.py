@@ -23,7 +23,8 @@ def workspace_align(block_size: int) -> int:
 def workspace_tokens(query_lens, seq_lens, block_size: int) -> int:
     """Workspace tokens a step needs: each prefilling request's context, rounded up to the alignment."""
     a = workspace_align(block_size)
-    return sum(-(-L // a) * a for n, L in zip(query_lens, seq_lens) if n > 1)
+    sl = np.asarray(seq_lens, dtype=np.int64)[np.asarray(query_lens) > 1]
+    return int((-(-sl // a) * a).sum())
 
 
 def segment_capacity(num_tiles: int, max_requests: int) -> int:
