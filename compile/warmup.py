@@ -115,14 +115,13 @@ def capture_mixed_graphs(runner) -> int:
 
 def warm_up_logprobs(runner) -> None:
     """Compile the logprob scoring (layers/sampler.token_logprobs, dynamic in its rows) before a request asks:
-    a one-row call and a longer one, as dynamo specialises a dimension of size 1."""
+    one graph serves every row count (compute_logprobs gives it two rows for one)."""
     from ..layers.sampler import compute_logprobs
     width = runner.model.compute_logits(torch.zeros(1, runner.model.spec.hidden_size, dtype=runner.dtype,
                                                     device=runner.device)).shape[-1]
     with torch.inference_mode():
-        for rows in (1, 2):
-            compute_logprobs(torch.zeros(rows, width, device=runner.device),
-                             torch.zeros(rows, dtype=torch.long, device=runner.device), 1, runner.compiled)
+        compute_logprobs(torch.zeros(2, width, device=runner.device), torch.zeros(2, dtype=torch.long,
+                                                                                 device=runner.device), 1, runner.compiled)
 
 
 def warm_up_steps(runner, decode: bool = False) -> float:

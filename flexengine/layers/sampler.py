@@ -151,8 +151,12 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor):
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, compiled: bool = False):
     """(logprob of each row's token, its rank, the top k ids and logprobs); `compiled`: token_logprobs
     through Inductor (warmed up by the engine: compile/warmup.warm_up_logprobs)."""
+    n = logits.shape[0]
+    if compiled and n == 1:  # one compiled graph for every row count: dynamo would specialise a size-1 one
+        logits, token_ids = logits.expand(2, -1).contiguous(), token_ids.expand(2).contiguous()
     with fused_elementwise(compiled):
         chosen, rank, lse = token_logprobs(logits, token_ids)
+    chosen, rank, lse, logits = chosen[:n], rank[:n], lse[:n], logits[:n]
     top = logits.topk(k, dim=-1)
     return chosen, rank, top.indices, top.values.float() - lse
 
