@@ -114,14 +114,15 @@ def capture_mixed_graphs(runner) -> int:
 
 
 def warm_up_logprobs(runner) -> None:
-    """Compile the logprob scoring (layers/sampler.token_logprobs, dynamic in its rows) before a request asks:
-    one graph serves every row count (compute_logprobs gives it two rows for one)."""
+    """Compile the prompt-logprob scoring (layers/sampler.token_logprobs on logits in the model dtype, dynamic
+    in its rows) before a request asks: one graph serves every row count (compute_logprobs gives it two rows
+    for one)."""
     from ..layers.sampler import compute_logprobs
     width = runner.model.compute_logits(torch.zeros(1, runner.model.spec.hidden_size, dtype=runner.dtype,
                                                     device=runner.device)).shape[-1]
     with torch.inference_mode():
-        compute_logprobs(torch.zeros(2, width, device=runner.device), torch.zeros(2, dtype=torch.long,
-                                                                                 device=runner.device), 1, runner.compiled)
+        compute_logprobs(torch.zeros(2, width, dtype=runner.dtype, device=runner.device),
+                         torch.zeros(2, dtype=torch.long, device=runner.device), 1, runner.compiled)
 
 
 def warm_up_steps(runner, decode: bool = False) -> float:

@@ -58,6 +58,6 @@ def score_prompt_tokens(compute_logits, hidden: torch.Tensor, seqs: list[Sequenc
                                   hidden.device).view(2, -1)
     parts = []
     for at in range(0, len(targets), ROWS_PER_SLICE):
-        logits = compute_logits(hidden[rows_t[at:at + ROWS_PER_SLICE]])
+        logits = compute_logits(hidden[rows_t[at:at + ROWS_PER_SLICE]], float32=False)  # scored in float32
         parts.append(compute_logprobs(logits, targets_t[at:at + ROWS_PER_SLICE], k, compiled))  # the sampler's rule
     return PromptLogprobs(spans, *(torch.cat(p) for p in zip(*parts)))

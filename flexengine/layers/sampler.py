@@ -149,8 +149,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor):
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, compiled: bool = False):
-    """(logprob of each row's token, its rank, the top k ids and logprobs); `compiled`: token_logprobs
-    through Inductor (warmed up by the engine: compile/warmup.warm_up_logprobs)."""
+    """(logprob of each row's token, its rank, the top k ids and logprobs), from logits of any dtype;
+    `compiled`: token_logprobs through Inductor (the prompt-logprob scoring of the CUDA engine, in the model
+    dtype, warmed up by compile/warmup.warm_up_logprobs; a sampled token's logprobs are few rows, eager)."""
     n = logits.shape[0]
     if compiled and n == 1:  # one compiled graph for every row count: dynamo would specialise a size-1 one
         logits, token_ids = logits.expand(2, -1).contiguous(), token_ids.expand(2).contiguous()
@@ -162,9 +163,8 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, comp
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator | None = None, compiled: bool = False):
+    def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator  # for rows without their own seed
-        self.compiled = compiled    # the logprob scoring through Inductor (the CUDA engine)
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits float32 [N, V] → one token per row."""
@@ -188,6 +188,5 @@ class Sampler:
             ids = torch.where(t.temperature > 0, sampled, greedy_ids)
         out = SamplerOutput(token_ids=ids)
         if t.num_logprobs >= 0:
-            out.logprob, out.rank, out.top_ids, out.top_logprobs = compute_logprobs(raw, ids, t.num_logprobs,
-                                                                                    self.compiled)
+            out.logprob, out.rank, out.top_ids, out.top_logprobs = compute_logprobs(raw, ids, t.num_logprobs)
         return out

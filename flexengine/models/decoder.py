@@ -226,13 +226,15 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """[N, V] logits, in float32 unless `float32` is False (the model dtype: prompt logprobs score every
+        prompt row, and reduce them in float32 without a [rows, vocab] float32 copy)."""
         head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
         logits = gather_vocab(nn.functional.linear(hidden, head.weight), head)  # [N, V] on every rank
         if self.spec.final_softcap is not None:  # in the model dtype, as transformers does
             cap = self.spec.final_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits.float() if float32 else logits
 
 
 def rope_parameters(config, layer_type: str | None = None) -> dict:

@@ -98,11 +98,11 @@ def drive_workers(runner, pool) -> None:
 
     compute_logits = runner.model.compute_logits
 
-    def compute_logits_tp(hidden):
+    def compute_logits_tp(hidden, float32: bool = True):
         with pool.step() as outermost:
             if outermost:
-                announce(("logits",), [hidden])
-            return compute_logits(hidden)
+                announce(("logits",), [hidden])  # (the workers' part, the vocabulary gather, is the same either way)
+            return compute_logits(hidden, float32)
 
     runner.run_model = run_model_tp
     runner.model.compute_logits = compute_logits_tp
