@@ -8,7 +8,8 @@
 # 256), long_context (8k-64k prompts' prefill vs transformers' forward), profile_long (one 64k prefill's
 # kernels), throughput, latency (batch 1), eager (throughput and latency with --enforce-eager), sync (the same
 # two without async scheduling), serve
-# (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), host
+# (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), metadata_probe
+# (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
 # (scripts/step_host_time.py: host time of each step's inputs), softcap (scripts/softcap_probe.py), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
 # still run without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto,
@@ -122,6 +123,8 @@ for stage in ${*:-tests attention compare latency}; do
                  BUDGET="$left" ENGINE_ARGS="${ENGINE_ARGS:-} --attention-backend $backend" bash scripts/e2e_bench.sh
              done; fi ;;
     host) model && step step_host_time 150 python3 scripts/step_host_time.py --model "$MODEL_DIR" ;;  # issue 15, item 3
+    metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
+           # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) step softcap_probe 200 python3 scripts/softcap_probe.py ;;  # what a softcap score mod costs in FA4
     sampling) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1 ||
              STATUS+=("sampling: carried wheels failed to install (install.log); runs without them")
