@@ -15,6 +15,17 @@ class Logprob:
     decoded_token: str | None = None
 
 
+def logprob_entries(token: int, chosen: float, rank: int, top_ids, top_logprobs, text_of) -> dict[int, Logprob]:
+    """vLLM's logprobs of one position: the top tokens with ranks 1, 2, ..., and `token` with its own logprob
+    and rank (a top token keeps the rank the sampler counted, which differs on ties)."""
+    entries = {t: Logprob(v, r, text_of(t)) for r, (t, v) in enumerate(zip(top_ids, top_logprobs), start=1)}
+    if token in entries:
+        entries[token].rank = rank
+    else:
+        entries[token] = Logprob(chosen, rank, text_of(token))
+    return entries
+
+
 class FlatLogprobs(Sequence):
     """A prompt's logprobs as vLLM gives them, `list[dict[int, Logprob] | None]` (None for the first position,
     then the prompt token and the top k), kept as arrays and made into a dict when a position is read.
@@ -56,18 +67,9 @@ class FlatLogprobs(Sequence):
         text = self.text_of.get if isinstance(self.text_of, dict) else self.text_of
         columns = (self.token_ids[at].tolist(), self.logprob[at].tolist(), self.rank[at].tolist(),
                    self.top_ids[at].tolist(), self.top_logprobs[at].tolist())
-        out = []
-        for i, token, chosen, rank, ids, lps in zip(at, *columns):
-            if i == 0 or rank == 0:  # the first position, or one not scored yet
-                out.append(None)
-                continue
-            entries = {t: Logprob(v, r, text(t)) for r, (t, v) in enumerate(zip(ids, lps), start=1)}
-            if token in entries:
-                entries[token].rank = rank  # ties: the rank the sampler counted
-            else:
-                entries[token] = Logprob(chosen, rank, text(token))
-            out.append(entries)
-        return out
+        # (None for the first position, and for one not scored yet)
+        return [None if i == 0 or rank == 0 else logprob_entries(token, chosen, rank, ids, lps, text)
+                for i, token, chosen, rank, ids, lps in zip(at, *columns)]
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)

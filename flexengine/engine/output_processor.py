@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from ..outputs import CompletionDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..outputs import CompletionDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput, logprob_entries
 from ..tokenizer import add_tokens
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
@@ -101,12 +101,7 @@ class OutputProcessor:
 
     def logprob_dict(self, token: int, lp, k: int) -> dict[int, Logprob]:
         chosen, rank, top_ids, top_lps = lp
-        entries = {t: Logprob(v, r + 1, self.decode_one(t)) for r, (t, v) in enumerate(zip(top_ids[:k], top_lps[:k]))}
-        if token not in entries:
-            entries[token] = Logprob(chosen, rank, self.decode_one(token))
-        else:
-            entries[token].rank = rank  # ties: report the rank the sampler counted
-        return entries
+        return logprob_entries(token, chosen, rank, top_ids[:k], top_lps[:k], self.decode_one)
 
     def decode_one(self, token: int) -> str | None:
         """Cached: prompt logprobs name two tokens per prompt position, and a tokenizer's decode of one
