@@ -71,13 +71,18 @@ class DecodeBuffers:
 
 def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
     """Everything in a decode step's metadata that depends on lengths and tables, as device ops."""
+    refresh_decode_positions(meta)
+    meta.backend_state = {}
+    backend.prepare(meta, mods)
+
+
+def refresh_decode_positions(meta: AttentionMetadata) -> None:
+    """The page map and each decode row's query position, from the lengths and tables in the buffers."""
     meta.phys_to_logical.copy_(build_phys_to_logical(meta.block_tables, meta.seq_lens, meta.block_size,
                                                      meta.num_blocks))
     q_pos = meta.seq_lens.long()[meta.span_req] - 1
     meta.span_q_lo.copy_(q_pos)
     meta.span_q_hi.copy_(q_pos)
-    meta.backend_state = {}
-    backend.prepare(meta, mods)
 
 
 @contextlib.contextmanager

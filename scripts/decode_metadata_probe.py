@@ -17,18 +17,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flexengine import LLM
-from flexengine.attention.metadata import build_phys_to_logical, page_lists
 from flexengine.attention.backends.flex import param_values
+from flexengine.attention.metadata import page_lists
+from flexengine.compile.cuda_graphs import refresh_decode_positions
 from flexengine.masks import MASK_ARGS
 
 
 def lists(meta, mask_mod):
-    """The tensors the decode graph rebuilds each step, for one mask."""
-    p2l = build_phys_to_logical(meta.block_tables, meta.seq_lens, meta.block_size, meta.num_blocks)
-    q_pos = meta.seq_lens.long()[meta.span_req] - 1
-    meta.phys_to_logical.copy_(p2l)
-    meta.span_q_lo.copy_(q_pos)
-    meta.span_q_hi.copy_(q_pos)
+    """The tensors the decode graph rebuilds each step, for one mask (the BlockMasks are made of them)."""
+    refresh_decode_positions(meta)
     return page_lists(meta, mask_mod, param_values(meta, mask_mod, MASK_ARGS))
 
 

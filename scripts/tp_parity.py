@@ -75,8 +75,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for size in (1, args.tensor_parallel_size):
             out = f"{tmp}/tp{size}.json"
-            child = [a for a in sys.argv[1:]]
-            subprocess.run([sys.executable, __file__, *child, "--one", str(size), "--out", out], check=True)
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", str(size), "--out", out], check=True)
             results[size] = json.load(open(out))
     one, many = results[1], results[args.tensor_parallel_size]
     report = dict(model=args.model, dtype=one["dtype"], tensor_parallel_size=args.tensor_parallel_size,

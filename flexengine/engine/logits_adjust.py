@@ -119,7 +119,7 @@ class LogitsAdjuster:
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.histories = PenaltyHistories(max_num_seqs, device)
         self.last: tuple[list[Sequence] | None, tuple] = (None, ())
-        self.written: tuple = ()  # the last update's (slots, prompt lengths, lengths, longest), for step_on
+        self.last_update: tuple = ()  # the histories' last update: (slots, prompt lengths, lengths, longest)
 
     def __call__(self, seqs: list[Sequence], pending=None) -> LogitsAdjust | None:
         params = [s.params for s in seqs]
@@ -131,7 +131,7 @@ class LogitsAdjuster:
         out = LogitsAdjust(banned=self.banned(seqs) if min_tokens else None, bias=bias)
         if penalised:
             group = [seqs[i] for i in penalised]
-            self.written = self.histories.update(group, penalised, pending, len(seqs))
+            self.last_update = self.histories.update(group, penalised, pending, len(seqs))
             self.penalties_into(out, coefficients, 0)
         return out
 
@@ -142,7 +142,7 @@ class LogitsAdjuster:
         bias, penalised, coefficients, min_tokens = self.last[1]
         out = LogitsAdjust(banned=self.banned(seqs, k) if min_tokens else None, bias=bias)
         if penalised:
-            slots, _, lengths, longest = self.written
+            slots, _, lengths, longest = self.last_update
             self.histories.grow(longest + k)
             self.histories.hist_SC[slots, lengths + (k - 1)] = sampled[coefficients[0]]
             for i in penalised:  # the slot holds it now; the host's copy of the token comes after the pass
@@ -152,7 +152,7 @@ class LogitsAdjuster:
 
     def penalties_into(self, out: LogitsAdjust, coefficients, k: int) -> None:
         """The penalised rows' histories as of the last update, plus the k tokens multi-step wrote since."""
-        slots, prompt_lens, lengths, longest = self.written
+        slots, prompt_lens, lengths, longest = self.last_update
         pos = torch.arange(longest + k, device=self.device)
         out.rows, out.repetition, out.frequency, out.presence = coefficients
         out.tokens = self.histories.hist_SC[slots, :len(pos)]
