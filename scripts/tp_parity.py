@@ -23,11 +23,11 @@ def run_one(args, size: int, out: str) -> None:
     import torch
 
     from flexengine import LLM, SamplingParams
-    from flexengine.benchmarks.common import as_requests, random_prompts
+    from flexengine.benchmarks.common import as_requests, random_prompts, timed
     from flexengine.compile import compile_count
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() and args.device != "cpu" else "float32")
-    llm = LLM(args.model, dtype=dtype, device=args.device, tensor_parallel_size=size,
-              max_model_len=args.input_len + args.max_tokens + 16)
+    llm, build_s = timed(LLM, args.model, dtype=dtype, device=args.device, tensor_parallel_size=size,
+                         max_model_len=max(args.input_len + args.max_tokens, 2 * SPEED_LEN * args.speed) + 16)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=1)
     llm.generate(as_requests(prompts[:1]), params, use_tqdm=False)  # first-call costs
@@ -36,11 +36,40 @@ def run_one(args, size: int, out: str) -> None:
     rows = [dict(tokens=o.outputs[0].token_ids,
                  logprobs=[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
             for o in outs]
+    compiled = compile_count() - before
+    speed = measure_speed(llm, args.seed) if args.speed else None
+    if speed is not None:
+        speed["compiled"] = compile_count() - before - compiled  # the benchmark's shapes, after warm-up too
     runner = llm.llm_engine.runner
-    json.dump(dict(size=size, dtype=dtype, rows=rows, compiled_after_warm_up=compile_count() - before,
-                   decode_graphs=runner.decode_graphs is not None,
+    json.dump(dict(size=size, dtype=dtype, rows=rows, compiled_after_warm_up=compiled,
+                   decode_graphs=runner.decode_graphs is not None, build_s=build_s, speed=speed,
                    mixed_graphs=getattr(runner, "mixed_graphs", None) is not None), open(out, "w"))
     llm.llm_engine.shutdown()
+
+
+SPEED_LEN = 256  # --speed: batch 1 at 128 in x 256 out, and 256 x 256 in x 256 out (issue 23's shapes)
+
+
+def measure_speed(llm, seed: int) -> dict:
+    """Issue 23's two targets on this engine, as `bench latency` and `bench throughput` measure them: batch-1
+    decode ms/token (3 timed runs, median) and 256 x 256 x 256 output tokens/s (2 timed runs, each given)."""
+    import statistics
+
+    import torch
+
+    from flexengine.benchmarks.common import generate_fixed, random_prompts
+    from flexengine.benchmarks.latency import measure_decode
+    vocab = llm.llm_engine.vocab_size
+    latency = measure_decode(llm, 1, 128, SPEED_LEN, num_iters=3, num_warmup=1, temperature=1.0, seed=seed + 1)
+    generate_fixed(llm, random_prompts(32, SPEED_LEN, vocab, seed + 2), 8, 1.0)  # this batch's first-call costs
+    runs = [generate_fixed(llm, random_prompts(256, SPEED_LEN, vocab, seed + 3 + i), SPEED_LEN, 1.0) for i in range(2)]
+    if torch.cuda.is_available():  # rank 0's kernels per decode step; with TP, the all-reduces' share of them
+        from profile_step import profile_decode  # scripts/, beside this file
+        for batch in (1, 256):
+            profile_decode(llm, batch, 128)
+    return dict(batch1_ms_per_token=latency["ms_per_token"], throughput_runs_s=runs,
+                output_tokens_per_s=[256 * SPEED_LEN / t for t in runs],
+                median_output_tokens_per_s=256 * SPEED_LEN / statistics.median(runs))
 
 
 def compare(one: dict, many: dict) -> dict:
@@ -58,12 +87,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
-    p.add_argument("--device", default=None, help="cpu for a gloo dry run (default: the engine's choice)")
+    p.add_argument("--device", default="auto", help="cpu for a gloo dry run (default: auto, the engine's choice)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speed", action="store_true",
+                   help="also, on the same engines: batch-1 ms/token and 256 x 256 x 256 tokens/s at each size")
     p.add_argument("--json", default=None)
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this size only
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -92,6 +123,19 @@ def main() -> int:
         print(f"| {i} | {'yes' if row['identical'] else 'no'} | {row['parted_at'] if row['parted_at'] is not None else '-'} "
               f"| {row['max_logprob_diff']:.2e} |")
     print(f"identical: {report['identical']} of {args.num_prompts}; graphs and compiles after warm-up: {report['graphs']}")
+    if args.speed:
+        a, b = one["speed"], many["speed"]
+        report["speed"] = {size: r["speed"] for size, r in results.items()}
+        print("\n| TP | batch-1 ms/token | 256 x 256 x 256 output tok/s (runs) | engine built in | compiled while "
+              "timed |\n|---|---|---|---|---|")
+        for size, r in results.items():
+            sp = r["speed"]
+            print(f"| {size} | {sp['batch1_ms_per_token']:.3f} | {sp['median_output_tokens_per_s']:.0f} "
+                  f"({', '.join(f'{x:.0f}' for x in sp['output_tokens_per_s'])}) | {r['build_s']:.1f} s | "
+                  f"{sp['compiled']} |")
+        print(f"TP={args.tensor_parallel_size} / TP=1: batch 1 {a['batch1_ms_per_token'] / b['batch1_ms_per_token']:.2f}x "
+              f"faster (target 1.6x), throughput {b['median_output_tokens_per_s'] / a['median_output_tokens_per_s']:.2f}x "
+              f"(target 1.3x)")
     if args.json:
         json.dump(report, open(args.json, "w"), indent=1)
     return 0

@@ -1,6 +1,9 @@
 """Decode CUDA graphs: the static-buffer step equals the ordinary step; on a GPU, graphs == eager."""
+import re
+
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from flexengine import LLM, SamplingParams
 from flexengine.compile import compile_count
@@ -306,12 +309,16 @@ def test_compiled_layer_regions_match_eager(num_tokens):
                 layer.attention_output_and_mlp.eager(layer, x, o))
     set_fused_elementwise(True)
     try:
-        got = (layer.attention_inputs(x, cos, sin, *caches[1], slots), *caches[1],
-               layer.attention_output_and_mlp(x, o))
+        q, code = run_and_get_code(layer.attention_inputs, x, cos, sin, *caches[1], slots)
+        got = (q, *caches[1], layer.attention_output_and_mlp(x, o))
     finally:
         set_fused_elementwise(False)
     for a, b in zip(got, expected):  # fp32; Inductor reorders the reductions a little
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # The K/V write is in place: every buffer the region allocates holds per-token rows. torch 2.11's Inductor
+    # copied the whole cache through a flattened view of it (a buffer shaped [num_blocks*block_size, Hkv, D]).
+    shapes = re.findall(r"empty_strided_\w+\(\(([^)]*)\)", "\n".join(code))
+    assert shapes and all(s.split(",")[0].strip() == shapes[0].split(",")[0].strip() for s in shapes), shapes
 
 
 def per_request_softcap(score, b, h, q_idx, kv_idx, cap: float):

@@ -23,7 +23,12 @@ def kv_cache_bytes(cache: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the step's new K/V [T, Hkv, D] at flat slots (block * block_size + offset), vectorised."""
-    NB, P, H, D = key_cache.shape
-    key_cache.view(NB * P, H, D).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(NB * P, H, D).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    """Store the step's new K/V [T, Hkv, D] at flat slots (block * block_size + offset), vectorised.
+
+    Indexed on the cache tensor itself, not on a flattened view of it: in a compiled region, torch 2.11's
+    Inductor wrote through such a view by copying the whole cache (an OOM at capture on the H100, and
+    a full copy per layer and step before that); indexed directly, the write stays in place."""
+    P = key_cache.shape[1]
+    page_offset = (slot_mapping // P, slot_mapping % P)
+    key_cache.index_put_(page_offset, key.to(key_cache.dtype))
+    value_cache.index_put_(page_offset, value.to(value_cache.dtype))
