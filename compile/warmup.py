@@ -79,7 +79,10 @@ def run_dummy(runner, seqs: list, num_new_tokens: list[int]) -> None:
     from ..engine.scheduler import ScheduledBatch
     with torch.inference_mode():
         inputs = runner.prepare_step(ScheduledBatch(seqs, num_new_tokens))
-        runner.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = runner.run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        # logits of the rows a step samples, as execute computes them: every row's (all 8,192 of a full
+        # step, gathered over the vocabulary under TP) was 4 GiB that the KV-cache sizing had not left free
+        runner.model.compute_logits(hidden[inputs.sample_rows])
 
 
 def capture_mixed_graphs(runner) -> int:

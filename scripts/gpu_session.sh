@@ -134,7 +134,7 @@ for stage in ${*:-tests attention compare latency}; do
              scripts/sampling_suite.py --model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --out "$OUT"; } ;;
     tp2) model8b && { step tp2_parity 420 python3 scripts/tp_parity.py --model "$MODEL8B_DIR" -tp 2 --speed \
            --json "$OUT/tp2_parity.json"  # parity, then on the same two engines batch 1, 256^3 and decode profiles
-           step tp2_gpu_tests 300 python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short -o faulthandler_timeout=240 \
+           step tp2_gpu_tests 400 python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short -o faulthandler_timeout=360 --durations=5 \
              tests/test_tensor_parallel.py; } ;;  # a hang dumps the test process's stacks before the cap
     tp2_speed) model8b && { for size in 1 2; do bench_tp latency "$size" --max-num-seqs 1 --batch-size 1 --input-len 128 \
              --output-len 256; done   # issue 23: TP=2 >= 1.6x faster at batch 1

@@ -27,7 +27,7 @@ def run_one(args, size: int, out: str) -> None:
     from flexengine.compile import compile_count
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() and args.device != "cpu" else "float32")
     llm, build_s = timed(LLM, args.model, dtype=dtype, device=args.device, tensor_parallel_size=size,
-                         max_model_len=max(args.input_len + args.max_tokens, 2 * SPEED_LEN * args.speed) + 16)
+                         max_model_len=max(args.input_len + args.max_tokens, 2 * args.speed_len * args.speed) + 16)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=1)
     llm.generate(as_requests(prompts[:1]), params, use_tqdm=False)  # first-call costs
@@ -37,7 +37,7 @@ def run_one(args, size: int, out: str) -> None:
                  logprobs=[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
             for o in outs]
     compiled = compile_count() - before
-    speed = measure_speed(llm, args.seed) if args.speed else None
+    speed = measure_speed(llm, args.seed, args.speed_batch, args.speed_len) if args.speed else None
     if speed is not None:
         speed["compiled"] = compile_count() - before - compiled  # the benchmark's shapes, after warm-up too
     runner = llm.llm_engine.runner
@@ -47,12 +47,10 @@ def run_one(args, size: int, out: str) -> None:
     llm.llm_engine.shutdown()
 
 
-SPEED_LEN = 256  # --speed: batch 1 at 128 in x 256 out, and 256 x 256 in x 256 out (issue 23's shapes)
-
-
-def measure_speed(llm, seed: int) -> dict:
+def measure_speed(llm, seed: int, batch: int, length: int) -> dict:
     """Issue 23's two targets on this engine, as `bench latency` and `bench throughput` measure them: batch-1
-    decode ms/token (3 timed runs, median) and 256 x 256 x 256 output tokens/s (2 timed runs, each given)."""
+    decode ms/token (`length` / 2 in x `length` out, 3 timed runs, median) and `batch` x `length` x `length` output
+    tokens/s (2 timed runs, each given). Issue 23's shapes are length 256, batch 256."""
     import statistics
 
     import torch
@@ -60,16 +58,16 @@ def measure_speed(llm, seed: int) -> dict:
     from flexengine.benchmarks.common import generate_fixed, random_prompts
     from flexengine.benchmarks.latency import measure_decode
     vocab = llm.llm_engine.vocab_size
-    latency = measure_decode(llm, 1, 128, SPEED_LEN, num_iters=3, num_warmup=1, temperature=1.0, seed=seed + 1)
-    generate_fixed(llm, random_prompts(32, SPEED_LEN, vocab, seed + 2), 8, 1.0)  # this batch's first-call costs
-    runs = [generate_fixed(llm, random_prompts(256, SPEED_LEN, vocab, seed + 3 + i), SPEED_LEN, 1.0) for i in range(2)]
+    latency = measure_decode(llm, 1, length // 2, length, num_iters=3, num_warmup=1, temperature=1.0, seed=seed + 1)
+    generate_fixed(llm, random_prompts(min(32, batch), length, vocab, seed + 2), 8, 1.0)  # first-call costs
+    runs = [generate_fixed(llm, random_prompts(batch, length, vocab, seed + 3 + i), length, 1.0) for i in range(2)]
     if torch.cuda.is_available():  # rank 0's kernels per decode step; with TP, the all-reduces' share of them
         from profile_step import profile_decode  # scripts/, beside this file
-        for batch in (1, 256):
-            profile_decode(llm, batch, 128)
+        for rows in (1, batch):
+            profile_decode(llm, rows, 128)
     return dict(batch1_ms_per_token=latency["ms_per_token"], throughput_runs_s=runs,
-                output_tokens_per_s=[256 * SPEED_LEN / t for t in runs],
-                median_output_tokens_per_s=256 * SPEED_LEN / statistics.median(runs))
+                output_tokens_per_s=[batch * length / t for t in runs],
+                median_output_tokens_per_s=batch * length / statistics.median(runs))
 
 
 def compare(one: dict, many: dict) -> dict:
@@ -95,6 +93,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speed", action="store_true",
                    help="also, on the same engines: batch-1 ms/token and 256 x 256 x 256 tokens/s at each size")
+    p.add_argument("--speed-batch", type=int, default=256, help="--speed's throughput requests (CPU dry runs: fewer)")
+    p.add_argument("--speed-len", type=int, default=256, help="--speed's prompt and output tokens")
     p.add_argument("--json", default=None)
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this size only
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -106,7 +106,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for size in (1, args.tensor_parallel_size):
             out = f"{tmp}/tp{size}.json"
-            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", str(size), "--out", out], check=True)
+            run = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", str(size), "--out", out])
+            if run.returncode != 0:  # what the sizes before it measured still gets out
+                print(f"TP={size} failed (exit {run.returncode}); measured before it: {json.dumps(results)}")
+                return 1
             results[size] = json.load(open(out))
     one, many = results[1], results[args.tensor_parallel_size]
     report = dict(model=args.model, dtype=one["dtype"], tensor_parallel_size=args.tensor_parallel_size,
@@ -126,7 +129,8 @@ def main() -> int:
     if args.speed:
         a, b = one["speed"], many["speed"]
         report["speed"] = {size: r["speed"] for size, r in results.items()}
-        print("\n| TP | batch-1 ms/token | 256 x 256 x 256 output tok/s (runs) | engine built in | compiled while "
+        shape = f"{args.speed_batch} x {args.speed_len} x {args.speed_len}"
+        print(f"\n| TP | batch-1 ms/token | {shape} output tok/s (runs) | engine built in | compiled while "
               "timed |\n|---|---|---|---|---|")
         for size, r in results.items():
             sp = r["speed"]

@@ -299,17 +299,22 @@ def test_torchrun_launches_the_ranks(tmp_path_factory, tmp_path):
 
 
 def test_the_parity_script_of_the_two_gpu_run(tmp_path_factory, tmp_path):
-    """scripts/tp_parity.py (issue 23's parity, one process per size) on two gloo ranks: float32 tokens agree."""
+    """scripts/tp_parity.py (issue 23's parity and speed, one process per size) on two gloo ranks: float32 tokens
+    agree, and the speed rows come out."""
     import json
     import subprocess
     import sys
     _, path = checkpoint("llama", tmp_path_factory)
     out = tmp_path / "parity.json"
     subprocess.run([sys.executable, "scripts/tp_parity.py", "--model", path, "-tp", "2", "--device", "cpu",
-                    "--num-prompts", "2", "--input-len", "8", "--max-tokens", "4", "--json", str(out)],
+                    "--num-prompts", "2", "--input-len", "8", "--max-tokens", "4", "--json", str(out),
+                    "--speed", "--speed-batch", "3", "--speed-len", "4"],
                    check=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
     report = json.loads(out.read_text())
     assert report["identical"] == 2 and report["max_logprob_diff"] < 1e-4
+    for size in ("1", "2"):  # the speed rows the GPU run reports, from the same engines
+        speed = report["speed"][size]
+        assert speed["batch1_ms_per_token"] > 0 and len(speed["output_tokens_per_s"]) == 2, speed
     assert all(g["compiled_after_warm_up"] == 0 for g in report["graphs"].values())
 
 
@@ -321,7 +326,7 @@ def test_two_gpus_capture_the_all_reduces_and_match_one(tmp_path_factory):
     from flexengine.compile import compile_count
     _, path = checkpoint("qwen3", tmp_path_factory)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    engine = dict(dtype="float32", max_num_seqs=8, max_model_len=256)
+    engine = dict(dtype="float32", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256)  # few graphs
     llm = LLM(path, tensor_parallel_size=2, **engine)
     try:
         runner = llm.llm_engine.runner
