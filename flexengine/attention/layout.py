@@ -74,6 +74,12 @@ class StepLayout:
         return self.span_req[: self.num_decode * self.decode_splits]
 
     @property
+    def decode_in_place(self) -> bool:
+        """Every token is a decode row of its own request, in order, unsplit and unpadded: the decode kernel can read
+        the queries and write the outputs where they are, with no gather before it and no scatter after."""
+        return self.num_tiles == 0 and self.decode_splits == 1 and self.num_decode == self.num_tokens
+
+    @property
     def token_capacity(self) -> int:
         """Rows of the token buffer: whole prefill tiles when there are any."""
         return max(self.num_tokens, self.num_tiles * Q_TILE)

@@ -304,6 +304,9 @@ class FlexBackend:
                 o = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vv.float()).to(q.dtype)
             return torch.where(any_key, o, 0)
 
+        if lay.decode_in_place:  # as forward's: the queries and outputs where they are
+            rows = torch.arange(T, device=query.device)
+            return attend(query.unsqueeze(2), self.dense_mask(meta, mask_mod, Hq, decode=True), dec_sm, rows)[:, :, 0]
         if lay.num_tiles:  # every token row, in place; decode tokens are dead here and overwritten below
             row0 = query.new_zeros(1, dtype=torch.long)  # the prefill call is one flex batch row
             mask = self.dense_mask(meta, mask_mod, Hq, decode=False, q_len=T)
@@ -350,6 +353,9 @@ class FlexBackend:
         gqa = Hq != Hkv
         # the decode kernel's kv tile must divide the page; default tiles can be 128 wide
         opts = {"kernel_options": {"BLOCK_N": P}} if P < 128 else {}
+        if lay.decode_in_place:  # [T, Hq, 1, D] in, out: at S = 1 a gather and a scatter launch fewer per layer
+            return flex(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
+                        **opts)[:, :, 0]
         if lay.num_tiles:  # the token buffer itself, as whole tiles: [1, Hq, Tp * Q_TILE, D], no gather
             if len(meta.ws_src) == 0:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
