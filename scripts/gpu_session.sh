@@ -10,7 +10,8 @@
 # two without async scheduling), serve
 # (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), metadata_probe
 # (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
-# (scripts/step_host_time.py: host time of each step's inputs), softcap (scripts/softcap_probe.py), fa4
+# (scripts/step_host_time.py: host time of each step's inputs), softcap (scripts/softcap_probe.py), splits
+# (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
 # still run without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto,
 # flash), sampling (issue 20's sampling targets on one engine, scripts/sampling_suite.py: what `bench throughput`
@@ -127,6 +128,8 @@ for stage in ${*:-tests attention compare latency}; do
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) step softcap_probe 200 python3 scripts/softcap_probe.py ;;  # what a softcap score mod costs in FA4
+    splits) model && step decode_splits_probe 300 python3 scripts/decode_splits_probe.py --model "$MODEL_DIR" ;;
+           # issue 16: small-batch decode with the engine's split-KV against one split, by context
     sampling) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1 ||
              STATUS+=("sampling: carried wheels failed to install (install.log); runs without them")
            # issue 20's four workloads on one engine (scripts/sampling_suite.py: one start-up, not four)
