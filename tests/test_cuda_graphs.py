@@ -126,8 +126,16 @@ def test_graphs_equal_eager_and_no_recompiles_after_warm_up():
     graphed = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, attention_backend="flex")
     assert graphed.llm_engine.runner.decode_graphs is not None
     before = compile_count()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     out_graphs = graphed.generate(prompts, params, use_tqdm=False)
     assert compile_count() == before, "a shape compiled after warm-up"
+    # No step allocates anything the size of a layer's cache: torch 2.11's Inductor once copied each layer's
+    # whole K and V cache around the fused K/V write (an OOM at capture on a full-size cache)
+    layer_cache = graphed.llm_engine.runner.layers[0].k_cache
+    transient = torch.cuda.max_memory_allocated() - base
+    assert transient < layer_cache.numel() * layer_cache.element_size(), (transient, layer_cache.shape)
     del graphed
     eager = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, enforce_eager=True,
                 attention_backend="flex")
