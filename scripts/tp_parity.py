@@ -25,6 +25,9 @@ def run_one(args, size: int, out: str) -> None:
     from flexengine import LLM, SamplingParams
     from flexengine.benchmarks.common import as_requests, random_prompts, timed
     from flexengine.compile import compile_count
+    import logging  # the engine's INFO lines (KV cache, warm-up and capture seconds) in the log, as the benches do
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("flexengine").setLevel(logging.INFO)
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() and args.device != "cpu" else "float32")
     llm, build_s = timed(LLM, args.model, dtype=dtype, device=args.device, tensor_parallel_size=size,
                          max_model_len=max(args.input_len + args.max_tokens, 2 * args.speed_len * args.speed) + 16)
