@@ -23,11 +23,9 @@ def run_one(args, size: int, out: str) -> None:
     import torch
 
     from flexengine import LLM, SamplingParams
-    from flexengine.benchmarks.common import as_requests, random_prompts, timed
+    from flexengine.benchmarks.common import as_requests, random_prompts, show_engine_info, timed
     from flexengine.compile import compile_count
-    import logging  # the engine's INFO lines (KV cache, warm-up and capture seconds) in the log, as the benches do
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("flexengine").setLevel(logging.INFO)
+    show_engine_info()  # KV cache, warm-up and capture seconds in the log of each size
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() and args.device != "cpu" else "float32")
     llm, build_s = timed(LLM, args.model, dtype=dtype, device=args.device, tensor_parallel_size=size,
                          max_model_len=max(args.input_len + args.max_tokens, 2 * args.speed_len * args.speed) + 16)
@@ -39,12 +37,12 @@ def run_one(args, size: int, out: str) -> None:
     rows = [dict(tokens=o.outputs[0].token_ids,
                  logprobs=[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
             for o in outs]
-    compiled = compile_count() - before
+    after_parity = compile_count()
     speed = measure_speed(llm, args.seed, args.speed_batch, args.speed_len) if args.speed else None
     if speed is not None:
-        speed["compiled"] = compile_count() - before - compiled  # the benchmark's shapes, after warm-up too
+        speed["compiled"] = compile_count() - after_parity  # the benchmark's shapes, after warm-up too
     runner = llm.llm_engine.runner
-    json.dump(dict(size=size, dtype=dtype, rows=rows, compiled_after_warm_up=compiled,
+    json.dump(dict(size=size, dtype=dtype, rows=rows, compiled_after_warm_up=after_parity - before,
                    decode_graphs=runner.decode_graphs is not None, build_s=build_s, speed=speed,
                    mixed_graphs=getattr(runner, "mixed_graphs", None) is not None), open(out, "w"))
     llm.llm_engine.shutdown()
@@ -67,7 +65,7 @@ def measure_speed(llm, seed: int, batch: int, length: int) -> dict:
     if torch.cuda.is_available():  # rank 0's kernels per decode step; with TP, the all-reduces' share of them
         from profile_step import profile_decode  # scripts/, beside this file
         for rows in (1, batch):
-            profile_decode(llm, rows, 128)
+            profile_decode(llm, rows, length // 2)
     return dict(batch1_ms_per_token=latency["ms_per_token"], throughput_runs_s=runs,
                 output_tokens_per_s=[batch * length / t for t in runs],
                 median_output_tokens_per_s=batch * length / statistics.median(runs))

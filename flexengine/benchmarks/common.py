@@ -83,14 +83,20 @@ def as_requests(prompts: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
 
 
-def build_llm(args):
-    """(LLM, seconds to construct it): load + whatever compile/capture the engine does up front. The
-    engine's INFO lines (KV cache size, warm-up and capture times) go to stderr, as vLLM's do."""
+def show_engine_info() -> None:
+    """The engine's INFO lines (KV cache size, warm-up and capture times) to stderr, as vLLM's are, unless the
+    caller set logging up itself."""
     import logging
-    from flexengine import LLM
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("flexengine").setLevel(logging.INFO)
+
+
+def build_llm(args):
+    """(LLM, seconds to construct it): load + whatever compile/capture the engine does up front, with the
+    engine's INFO lines shown (show_engine_info)."""
+    from flexengine import LLM
+    show_engine_info()
     llm, seconds = timed(LLM, **engine_kwargs(args))
     if torch.cuda.is_available():
         print(f"GPU memory after start-up: {torch.cuda.memory_allocated() / 2 ** 30:.2f} GiB allocated, "
