@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def run_one(args, size: int, out: str) -> None:
@@ -45,7 +47,10 @@ def run_one(args, size: int, out: str) -> None:
     json.dump(dict(size=size, dtype=dtype, rows=rows, compiled_after_warm_up=after_parity - before,
                    decode_graphs=runner.decode_graphs is not None, build_s=build_s, speed=speed,
                    mixed_graphs=getattr(runner, "mixed_graphs", None) is not None), open(out, "w"))
+    print(f"# TP={size} measured: {json.dumps(speed)}", flush=True)  # in the log even if what follows hangs
+    started = time.perf_counter()
     llm.llm_engine.shutdown()
+    print(f"# TP={size} shut down in {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def measure_speed(llm, seed: int, batch: int, length: int) -> dict:
@@ -69,6 +74,22 @@ def measure_speed(llm, seed: int, batch: int, length: int) -> dict:
     return dict(batch1_ms_per_token=latency["ms_per_token"], throughput_runs_s=runs,
                 output_tokens_per_s=[batch * length / t for t in runs],
                 median_output_tokens_per_s=batch * length / statistics.median(runs))
+
+
+def run_child(cmd: list[str], out: str, grace_s: float = 60.0) -> int:
+    """Run one size; once it has written `out`, give it `grace_s` to shut down, then kill it (a hung
+    shutdown is reported, and does not cost the measurements)."""
+    child = subprocess.Popen(cmd)
+    written_at = None
+    while child.poll() is None:
+        time.sleep(1.0)
+        if written_at is None and os.path.exists(out):
+            written_at = time.monotonic()
+        if written_at is not None and time.monotonic() - written_at > grace_s:
+            print(f"# the engine did not exit within {grace_s:.0f} s of its results: killed", flush=True)
+            child.kill()
+            return child.wait()
+    return child.returncode
 
 
 def compare(one: dict, many: dict) -> dict:
@@ -107,9 +128,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for size in (1, args.tensor_parallel_size):
             out = f"{tmp}/tp{size}.json"
-            run = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", str(size), "--out", out])
-            if run.returncode != 0:  # what the sizes before it measured still gets out
-                print(f"TP={size} failed (exit {run.returncode}); measured before it: {json.dumps(results)}")
+            code = run_child([sys.executable, __file__, *sys.argv[1:], "--one", str(size), "--out", out], out)
+            if not os.path.exists(out):  # what the sizes before it measured still gets out
+                print(f"TP={size} failed (exit {code}); measured before it: {json.dumps(results)}")
                 return 1
             results[size] = json.load(open(out))
     one, many = results[1], results[args.tensor_parallel_size]

@@ -8,6 +8,7 @@ A step is three functions named for what they do:
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -277,6 +278,14 @@ class ModelRunner:
         logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s, %.1f MiB", len(graphs.graphs),
                     graphs.buckets, graphs.capture_seconds, graphs.graph_bytes / 2 ** 20)
         return graphs
+
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs: one that captured NCCL calls holds its communicator, and the tensor-parallel
+        group cannot be left while any does (parallel/state.py)."""
+        self.decode_graphs = self.mixed_graphs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def mixed_graph_runner(self, pool):
         """Graphs for steps with prompt tokens (compile/mixed_graphs.py); the caller captures them at start-up."""

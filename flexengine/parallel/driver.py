@@ -73,10 +73,12 @@ def drive_workers(runner, pool) -> None:
     """Once the workers have built their runners: make rank 0's runner tell them each device call
     before it makes it (see the module doc), and stop them when the runner goes."""
     import weakref
+    runner_ref = weakref.ref(runner)  # the pool must not keep the runner alive
+    pool.before_leaving = lambda: (runner := runner_ref()) is not None and runner.release_graphs()
     if pool.serve_here:  # torchrun's rank > 0: this process is a worker from here on, then it ends
         from .worker import serve_steps
         serve_steps(runner, pool.tp)
-        pool.close_group()
+        pool.close_group(peer_died=False)
         raise SystemExit(0)
     runner.finalize_workers = weakref.finalize(runner, pool.shutdown)  # also at interpreter exit
     pool.wait_for("ready")

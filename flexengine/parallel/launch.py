@@ -141,6 +141,7 @@ class WorkerPool:
         self.serve_here = False  # torchrun's ranks > 0: this process is a worker
         self.depth = 0  # > 0 while rank 0 runs a step the workers were told about (nested calls pass through)
         self.joined: list[TPGroup] = []  # the group this pool's rank 0 joined, until it leaves it
+        self.before_leaving = lambda: None  # drops rank 0's CUDA graphs (set by driver.drive_workers)
 
     def spawn(self, config: EngineConfig, model_path: str) -> None:
         from .worker import worker_main
@@ -240,20 +241,26 @@ class WorkerPool:
             proc.join(STOP_TIMEOUT_S)
         self.close_group()
 
-    def close_group(self) -> None:
+    def close_group(self, peer_died: bool = True) -> None:
+        """Leave the group, after dropping rank 0's CUDA graphs (NCCL waits for them to go)."""
         if self.tp is not None:
             self.tp = None
             self.joined.clear()
+            self.before_leaving()
             with contextlib.suppress(Exception):
-                destroy_tensor_parallel()
+                destroy_tensor_parallel(peer_died)
 
     def shutdown(self) -> None:
-        """Tell the workers to stop, wait for them, kill any that does not; leave the group. Idempotent."""
+        """Tell the workers to stop and leave the group with them (NCCL's teardown is collective), wait for
+        them, kill any that does not stop. Idempotent."""
         if self.failed is None and self.tp is not None and all(p.is_alive() for p in self.procs):
             from .driver import send, stopped_together
-            with contextlib.suppress(Exception):
+            try:
                 send(self.tp, ("stop",))
                 stopped_together(self.tp, STOP_TIMEOUT_S)
+                self.close_group(peer_died=False)  # while the workers leave too
+            except Exception as e:
+                logger.warning("tensor-parallel workers did not stop cleanly (%s: %s)", type(e).__name__, e)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -278,7 +285,7 @@ def reap(procs, joined: list[TPGroup]) -> None:
             proc.join(STOP_TIMEOUT_S)
     if joined and tp_group() is joined[0]:
         with contextlib.suppress(Exception):
-            destroy_tensor_parallel()
+            destroy_tensor_parallel(peer_died=True)
 
 
 def agree_on_min(value: int, tp: TPGroup) -> int:

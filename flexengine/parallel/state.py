@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 # A worker waits on the control group between steps, however long the engine is idle; a dead rank 0
 # closes its sockets, which ends that wait at once (gloo reports the closed connection).
@@ -83,11 +87,25 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
     return _current
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the group (idempotent); layers built for it must not run afterwards."""
+def destroy_tensor_parallel(peer_died: bool = False, timeout_s: float = 30.0) -> None:
+    """Leave the group (idempotent); layers built for it must not run afterwards.
+
+    NCCL's teardown is collective, and it waits until no CUDA graph that captured its calls is alive: every
+    rank drops its graphs (ModelRunner.release_graphs) and then destroys, side by side. When a peer has died,
+    a destroy would wait for it forever, so NCCL aborts instead. Either runs on a thread: a wedged NCCL is
+    left behind with a warning after `timeout_s` rather than hanging the process."""
     global _current
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        _current = SINGLE
+        return
+    abort = peer_died and _current.backend == "nccl"
+    leave = dist.distributed_c10d._abort_process_group if abort else dist.destroy_process_group
+    thread = threading.Thread(target=leave, name="flexengine-leave-group", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("leaving the tensor-parallel group (%s) did not finish within %.0f s; going on without it",
+                       "abort" if abort else "destroy", timeout_s)
     _current = SINGLE
 
 

@@ -33,13 +33,14 @@ def worker_main(rank: int, size: int, config_bytes: bytes, init_method: str, con
         runner = ModelRunner(config)
         conn.send(("ready",))
         serve_steps(runner, tp)
+        runner.release_graphs()  # then leave the group beside rank 0 (state.destroy_tensor_parallel says why)
+        destroy_tensor_parallel()
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
         finally:
+            destroy_tensor_parallel(peer_died=True)  # rank 0 ends the engine; it does not leave beside us
             raise SystemExit(1)
-    finally:
-        destroy_tensor_parallel()
 
 
 @torch.inference_mode()
