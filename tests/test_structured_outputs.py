@@ -259,9 +259,11 @@ def test_grammar_requests_are_not_decoded_by_multi_step():
 def test_token_mask_matches_xgrammars_own(V, N, data):
     """The sampler's bit unpacking against xgrammar.apply_token_bitmask_inplace, on some rows of a batch,
     with a bitmask wider than the logits (the tokenizer's padding) or narrower (a model's padded
-    embeddings: the ids past the tokenizer's are not allowed)."""
+    embeddings: the ids past the tokenizer's are not allowed), and a tokenizer vocabulary `T` that ends inside
+    the last word (its bits past T are set at random, as xgrammar leaves them)."""
     rows = sorted(data.draw(st.sets(st.integers(0, N - 1), min_size=1)))
     W = data.draw(st.integers(max(1, -(-V // 32) - 2), -(-V // 32) + 2))
+    T = data.draw(st.integers(32 * W - 31, 32 * W))
     seed = data.draw(st.integers(0, 2 ** 31))
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(N, V, generator=g)
@@ -274,7 +276,9 @@ def test_token_mask_matches_xgrammars_own(V, N, data):
     full[rows] = torch.cat([bitmask, torch.zeros(len(rows), max(0, words - W), dtype=torch.int32)], dim=1)[:, :words]
     xgr.apply_token_bitmask_inplace(want, full, vocab_size=V)
     want = want[:, :V]
-    got = apply_token_mask(logits, torch.tensor(rows), bitmask)
+    if T < V:  # past the tokenizer's ids
+        want[torch.tensor(rows)[:, None], torch.arange(T, V)[None, :]] = float("-inf")
+    got = apply_token_mask(logits, torch.tensor(rows), bitmask, T)
     assert torch.equal(got, want)
 
 
@@ -298,13 +302,18 @@ def test_a_model_vocabulary_larger_than_the_tokenizers(llm, tmp_path):
     padded = LLM(str(dst), seed=0, attention_backend="reference", num_kv_blocks=64)
     free = padded.generate(["abc"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     assert any(t >= old for t in free.token_ids), "the setup should make the padded ids likely"
-    spec = StructuredOutputsParams(regex=REGEX)
-    outs = padded.generate(["abc"] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured_outputs=spec)
-                                         for s in range(3)], use_tqdm=False)
-    for out in outs:
-        c = out.outputs[0]
-        assert c.finish_reason == "stop" and all(t < old or t in padded.llm_engine.eos_token_ids for t in c.token_ids)
-        check(spec, c.text)
+    # a free string allows every token the tokenizer has: xgrammar then fills whole words of ones, past its
+    # vocabulary too (the H100 run of session 17 sampled such ids inside JSON strings)
+    text = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 12}}, "required": ["s"],
+            "additionalProperties": False}
+    for spec in (StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(json=text)):
+        outs = padded.generate(["abc"] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=60,
+                                                            structured_outputs=spec) for s in range(3)], use_tqdm=False)
+        for out in outs:
+            c = out.outputs[0]
+            assert all(t < old or t in padded.llm_engine.eos_token_ids for t in c.token_ids), c.token_ids
+            assert c.finish_reason == "stop", (c.text, c.finish_reason)
+            check(spec, c.text)
 
 
 def test_multi_step_and_cuda_graph_paths(gpu_shaped_engines):
@@ -361,7 +370,7 @@ def test_token_mask_on_cuda_matches_xgrammars_kernel():
         full = torch.full((6, W), -1, dtype=torch.int32, device="cuda")
         full[rows] = bitmask[rows]
         xgr.apply_token_bitmask_inplace(want, full, vocab_size=V)
-        assert torch.equal(apply_token_mask(logits, rows, bitmask[rows]), want)
+        assert torch.equal(apply_token_mask(logits, rows, bitmask[rows], V), want)
 
 
 @pytest.mark.gpu

@@ -92,6 +92,7 @@ class Grammars:
         size = len(self.tokenizer)
         info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=size,
                                                   stop_token_ids=self.stop_token_ids or None)
+        self.grammar_vocab_size = info.vocab_size
         self.width = -(-info.vocab_size // 32)  # int32 words of a row's bitmask
         self.batch = xgr.BatchGrammarMatcher()  # fills a step's rows on several threads
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by our key
@@ -154,7 +155,7 @@ class Grammars:
     def matcher(self, compiled) -> "GrammarState":
         xgr = import_xgrammar()
         return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None),
-                            width=self.width, batch=self.batch)
+                            width=self.width, vocab_size=self.grammar_vocab_size, batch=self.batch)
 
 
 @dataclass(eq=False)
@@ -162,6 +163,7 @@ class GrammarState:
     """A sequence's matcher: where its output stands in the grammar."""
     matcher: object
     width: int                   # int32 words of its bitmask
+    vocab_size: int              # the tokenizer's ids, which its bitmask covers
     batch: object                # the engine's xgrammar.BatchGrammarMatcher
     rejected: int | None = None  # a token the grammar did not allow (only if every token was banned)
 
@@ -183,7 +185,7 @@ def fill_token_mask(seqs, rows, device) -> TokenMask | None:
         "a grammar row's last token must be on the host before its mask is filled"
     first.batch.batch_fill_next_token_bitmask([seqs[row].grammar.matcher for row in rows], bitmask)
     return TokenMask(rows=to_device(np.asarray(rows, dtype=np.int64), device),
-                     bitmask=bitmask.to(device, non_blocking=True))
+                     bitmask=bitmask.to(device, non_blocking=True), vocab_size=first.vocab_size)
 
 
 def accept_tokens(seqs, tokens) -> None:

@@ -70,16 +70,19 @@ def apply_adjust(logits: torch.Tensor, a: LogitsAdjust) -> torch.Tensor:
 class TokenMask:
     """The allowed next tokens of a step's grammar rows, in xgrammar's bitmask layout."""
     rows: torch.Tensor      # int64 [G]: their rows of the step's logits
-    bitmask: torch.Tensor   # int32 [G, W]: bit j of word k allows token 32k + j; 32 W >= the logits' width
+    bitmask: torch.Tensor   # int32 [G, W]: bit j of word k allows token 32k + j
+    vocab_size: int         # the grammar's (tokenizer's) ids: the bits past them are not meaningful
 
 
-def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """-inf for each token a row's bitmask does not allow (xgrammar's layout: bit j of int32 word k is
-    token 32k + j); bits past the logits' width are ignored, and tokens past the bitmask's are not allowed
-    (ids the tokenizer lacks). Plain tensor ops: the same on CPU and CUDA. Writes into `logits`."""
+    token 32k + j). Ids past `vocab_size` (the tokenizer's; a model's embeddings may be padded past it) are
+    never allowed, whatever their bits say: xgrammar sets whole words where every token is allowed (inside a
+    JSON string), the bits past its vocabulary too. Plain tensor ops: the same on CPU and CUDA. Writes into
+    `logits`."""
     V = logits.shape[-1]
     G, W = bitmask.shape
-    n = min(V, 32 * W)
+    n = min(V, 32 * W, vocab_size)
     shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
     # little-endian bytes of each word: byte b holds tokens 32k + 8b ... 32k + 8b + 7
     bits = (bitmask.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1
@@ -169,7 +172,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits float32 [N, V] → one token per row."""
         if t.token_mask is not None:
-            logits = apply_token_mask(logits, t.token_mask.rows, t.token_mask.bitmask)
+            logits = apply_token_mask(logits, t.token_mask.rows, t.token_mask.bitmask, t.token_mask.vocab_size)
         raw = logits
         if t.adjust is not None:
             logits = apply_adjust(logits, t.adjust)
