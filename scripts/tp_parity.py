@@ -40,11 +40,16 @@ def run_one(args, size: int, out: str) -> None:
                  logprobs=[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
             for o in outs]
     after_parity = compile_count()
+    # bf16's own noise at this size: the same prompts one at a time (other GEMM shapes, other rounding)
+    alone = [llm.generate(as_requests([p]), params, use_tqdm=False)[0] for p in prompts] if size == 1 else []
+    alone_rows = [dict(tokens=o.outputs[0].token_ids,
+                       logprobs=[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                  for o in alone]
     speed = measure_speed(llm, args.seed, args.speed_batch, args.speed_len) if args.speed else None
     if speed is not None:
         speed["compiled"] = compile_count() - after_parity  # the benchmark's shapes, after warm-up too
     runner = llm.llm_engine.runner
-    json.dump(dict(size=size, dtype=dtype, rows=rows, compiled_after_warm_up=after_parity - before,
+    json.dump(dict(size=size, dtype=dtype, rows=rows, alone_rows=alone_rows, compiled_after_warm_up=after_parity - before,
                    decode_graphs=runner.decode_graphs is not None, build_s=build_s, speed=speed,
                    mixed_graphs=getattr(runner, "mixed_graphs", None) is not None), open(out, "w"))
     print(f"# TP={size} measured: {json.dumps(speed)}", flush=True)  # in the log even if what follows hangs
@@ -103,6 +108,10 @@ def compare(one: dict, many: dict) -> dict:
                 max_logprob_diff=max(p["max_logprob_diff"] for p in prompts))
 
 
+def parted(row: dict) -> str:
+    return "-" if row["parted_at"] is None else str(row["parted_at"])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -142,12 +151,17 @@ def main() -> int:
                           for size, r in results.items()})
     print(f"# TP={args.tensor_parallel_size} against TP=1, {args.num_prompts} prompts x {args.input_len} in, "
           f"{args.max_tokens} greedy tokens, {one['dtype']}")
-    print("| prompt | tokens identical | first differing token | largest logprob difference before it |")
-    print("|---|---|---|---|")
-    for i, row in enumerate(report["prompts"]):
-        print(f"| {i} | {'yes' if row['identical'] else 'no'} | {row['parted_at'] if row['parted_at'] is not None else '-'} "
-              f"| {row['max_logprob_diff']:.2e} |")
-    print(f"identical: {report['identical']} of {args.num_prompts}; graphs and compiles after warm-up: {report['graphs']}")
+    noise = compare(one, dict(rows=one["alone_rows"]))  # TP=1 batched against TP=1 one prompt at a time
+    report["noise"] = noise
+    print("| prompt | tokens identical | first differing token | largest logprob difference before it "
+          "| TP=1 alone against TP=1 batched: the same three |")
+    print("|---|---|---|---|---|")
+    for i, (row, ref) in enumerate(zip(report["prompts"], noise["prompts"])):
+        print(f"| {i} | {'yes' if row['identical'] else 'no'} | {parted(row)} | {row['max_logprob_diff']:.2e} "
+              f"| {'yes' if ref['identical'] else 'no'}, {parted(ref)}, {ref['max_logprob_diff']:.2e} |")
+    print(f"identical: {report['identical']} of {args.num_prompts} (TP=1 alone against batched: {noise['identical']}); "
+          f"largest logprob difference {report['max_logprob_diff']:.2e} (noise: {noise['max_logprob_diff']:.2e}); "
+          f"graphs and compiles after warm-up: {report['graphs']}")
     if args.speed:
         a, b = one["speed"], many["speed"]
         report["speed"] = {size: r["speed"] for size, r in results.items()}

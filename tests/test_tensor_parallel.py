@@ -312,6 +312,7 @@ def test_the_parity_script_of_the_two_gpu_run(tmp_path_factory, tmp_path):
                    check=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
     report = json.loads(out.read_text())
     assert report["identical"] == 2 and report["max_logprob_diff"] < 1e-4
+    assert len(report["noise"]["prompts"]) == 2 and report["noise"]["max_logprob_diff"] < 1e-4  # float32: no noise
     for size in ("1", "2"):  # the speed rows the GPU run reports, from the same engines
         speed = report["speed"][size]
         assert speed["batch1_ms_per_token"] > 0 and len(speed["output_tokens_per_s"]) == 2, speed
