@@ -256,7 +256,7 @@ class WorkerPool:
         if self.failed is None and self.tp is not None and all(p.is_alive() for p in self.procs):
             from .driver import send, stopped_together
             try:
-                send(self.tp, ("stop",))
+                send(self.tp, ("stop",), self.conns)
                 stopped_together(self.tp, STOP_TIMEOUT_S)
                 self.close_group(peer_died=False)  # while the workers leave too
             except Exception as e:

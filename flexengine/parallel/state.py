@@ -6,8 +6,9 @@ torch.distributed group (NCCL on CUDA, gloo on CPU) and makes it this process's 
 the default) every layer is the plain one and no collective ever runs.
 
 Two process groups: `device` carries the model's collectives (all-reduce, all-gather, the input ids'
-broadcast), NCCL on GPUs; `control` is always gloo and carries rank 0's pickled step descriptions, with
-a long timeout because a worker waits on it while the engine is idle.
+broadcast), NCCL on GPUs; `control` is always gloo: the barrier at shutdown, and, where torchrun started
+the ranks, rank 0's pickled step descriptions (spawned workers get theirs down a pipe), with a long timeout
+because a worker waits on it while the engine is idle.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def worker_main(rank: int, size: int, config_bytes: bytes, init_method: str, con
         from ..engine.model_runner import ModelRunner
         runner = ModelRunner(config)
         conn.send(("ready",))
-        serve_steps(runner, tp)
+        serve_steps(runner, tp, conn)
         runner.release_graphs()  # then leave the group beside rank 0 (state.destroy_tensor_parallel says why)
         destroy_tensor_parallel()
     except BaseException:
@@ -44,11 +44,11 @@ def worker_main(rank: int, size: int, config_bytes: bytes, init_method: str, con
 
 
 @torch.inference_mode()
-def serve_steps(runner, tp) -> None:
-    """Run what rank 0 announces until it says stop."""
+def serve_steps(runner, tp, conn=None) -> None:
+    """Run what rank 0 announces (down `conn`, or over the control group under torchrun) until it says stop."""
     device = runner.device
     while True:
-        message = receive(tp)
+        message = receive(tp, conn)
         if message[0] == "stop":
             stopped_together(tp)
             return
