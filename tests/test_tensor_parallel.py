@@ -81,8 +81,10 @@ def no_children_left():
 def test_two_ranks_match_transformers_and_one_rank(name, tmp_path_factory):
     hf, path = checkpoint(name, tmp_path_factory)
     expected = [hf_greedy(hf, p) for p in PROMPTS]
+    threads = torch.get_num_threads()
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
     try:
+        assert torch.get_num_threads() == min(threads, max(1, (os.cpu_count() or 1) // 2))  # rank 0's share
         runner = llm.llm_engine.runner
         heads = hf.config.num_attention_heads
         assert runner.layers[0].num_heads == heads // 2  # each rank holds its half of the query heads
@@ -94,7 +96,7 @@ def test_two_ranks_match_transformers_and_one_rank(name, tmp_path_factory):
         assert [o.num_cached_tokens for o in outs] == [16, 0, 24]  # its whole pages of the first run
     finally:
         llm.llm_engine.shutdown()
-    assert no_children_left()
+    assert no_children_left() and torch.get_num_threads() == threads  # the cores are the process's again
     with pytest.raises(RuntimeError, match="was shut down"):
         token_ids(llm, PROMPTS, greedy())
     assert token_ids(LLM(path, **ENGINE), PROMPTS, greedy())[0] == expected
