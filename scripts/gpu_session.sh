@@ -10,7 +10,8 @@
 # two without async scheduling), serve
 # (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), metadata_probe
 # (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
-# (scripts/step_host_time.py: host time of each step's inputs), softcap (scripts/softcap_probe.py), splits
+# (scripts/step_host_time.py: host time of each step's inputs), host_sampling (the same for issue 20's JSON and
+# penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
 # still run without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto,
@@ -125,6 +126,10 @@ for stage in ${*:-tests attention compare latency}; do
                  BUDGET="$left" ENGINE_ARGS="${ENGINE_ARGS:-} --attention-backend $backend" bash scripts/e2e_bench.sh
              done; fi ;;
     host) model && step step_host_time 150 python3 scripts/step_host_time.py --model "$MODEL_DIR" ;;  # issue 15, item 3
+    host_sampling) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1  # (xgrammar, as sampling's)
+           # issue 20: is a JSON or penalised step bound by the host or the device? One engine, 256 x 256 x 64 each
+           step step_host_sampling 300 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 \
+             scripts/step_host_time.py --model "$MODEL_DIR" --output-len 64 --workload plain,json,penalties; } ;;
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) step softcap_probe 200 python3 scripts/softcap_probe.py ;;  # what a softcap score mod costs in FA4

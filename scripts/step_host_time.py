@@ -13,6 +13,12 @@ scheduled batch into device inputs (medians and p90 over the steps of each kind,
   sits) and `MixedGraphRunner.run` (one packed copy, the tables, the replay; metadata inside the graph);
 - steps too large for a graph: `pack_step` and `prepare_step`, whose metadata is built by eager launches.
 The model's own launches are not counted (they are the graph replay, or the eager layers).
+
+`--workload json|penalties` runs issue 20's workloads instead of plain sampling (every request under
+`bench_schema(0)`, or with the penalties and logit_bias `bench throughput --penalties` uses) and also times the
+whole host step (`LLMEngine._step`), its wait for the device (`InFlightStep.wait`), the grammar's
+`fill_token_mask` and `accept_tokens`, `LogitsAdjuster.__call__` and the sampler's launches. Per step, the
+wall time against the host's busy time (`_step` less the wait) says whether the host or the device bounds it.
 """
 from __future__ import annotations
 
@@ -26,7 +32,9 @@ import torch
 
 from flexengine import LLM, SamplingParams
 from flexengine.benchmarks.common import random_prompts
-from flexengine.engine import model_runner
+from flexengine.engine import in_flight, llm_engine, model_runner, sampling_inputs
+from flexengine.engine.logits_adjust import LogitsAdjuster
+from flexengine.layers.sampler import Sampler
 
 
 def timed(record: list, fn):
@@ -40,16 +48,33 @@ def timed(record: list, fn):
     return wrapper
 
 
+def sampling_params(workload: str, output_len: int, vocab: int) -> SamplingParams:
+    if workload == "json":
+        from flexengine import StructuredOutputsParams
+        from flexengine.benchmarks.throughput import bench_schema
+        return SamplingParams(max_tokens=output_len, temperature=1.0,
+                              structured_outputs=StructuredOutputsParams(json=bench_schema(0)))
+    if workload == "penalties":
+        from flexengine.benchmarks.throughput import bench_logit_bias  # bench throughput --penalties' settings
+        return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0, repetition_penalty=1.1,
+                              presence_penalty=0.5, frequency_penalty=0.5, logit_bias=bench_logit_bias(vocab, 0))
+    assert workload == "plain", f"unknown workload {workload!r} (plain, json, penalties)"
+    return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default=None, help="default: the engine's tiny random model (a CPU dry run)")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--workload", default="plain",
+                   help="comma-separated, one engine for all: plain (greedy, as before), json (needs xgrammar), penalties")
     args = p.parse_args()
     llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "float32",
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks)
     runner = llm.llm_engine.runner
     times = collections.defaultdict(list)
     # (the table lists them in this order: each step kind, then what it is made of)
@@ -65,22 +90,33 @@ def main() -> None:
     if runner.mixed_graphs is not None:
         runner.mixed_graphs.run = timed(times["then MixedGraphRunner.run"], runner.mixed_graphs.run)
     runner.prepare_step = timed(times["or prepare_step (eager metadata)"], runner.prepare_step)
-    prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, seed=0)
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
-    for t in times.values():
-        t.clear()  # the warm-up and graph capture are not steps
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"# {device} | torch {torch.__version__} | {args.model} | block_size "
-          f"{llm.config.block_size} | {args.num_prompts} x {args.input_len} in x {args.output_len} out, "
-          f"max_num_seqs {llm.config.max_num_seqs}, budget {llm.config.max_num_batched_tokens} | {wall:.2f} s")
-    print("| host function | calls | median µs | p90 µs |")
-    print("|---|---|---|---|")
-    for name, t in times.items():
-        if t:
-            print(f"| {name} | {len(t)} | {np.median(t):.0f} | {np.percentile(t, 90):.0f} |")
+    engine = llm.llm_engine
+    engine._step = timed(times["LLMEngine._step (a whole host step)"], engine._step)
+    in_flight.InFlightStep.wait = timed(times["  of which InFlightStep.wait (for the device)"], in_flight.InFlightStep.wait)
+    Sampler.__call__ = timed(times["  of which Sampler.__call__ (launches)"], Sampler.__call__)
+    sampling_inputs.fill_token_mask = timed(times["  of which fill_token_mask"], sampling_inputs.fill_token_mask)
+    llm_engine.accept_tokens = timed(times["  of which accept_tokens"], llm_engine.accept_tokens)
+    LogitsAdjuster.__call__ = timed(times["  of which LogitsAdjuster.__call__"], LogitsAdjuster.__call__)
+    for k, workload in enumerate(args.workload.split(",")):  # one engine for all of them
+        prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, seed=k)
+        params = sampling_params(workload, args.output_len, llm.llm_engine.vocab_size)
+        for t in times.values():
+            t.clear()  # the warm-up and graph capture (and the workload before) are not this one's steps
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        print(f"# {workload} | {device} | torch {torch.__version__} | {args.model} | block_size "
+              f"{llm.config.block_size} | {args.num_prompts} x {args.input_len} in x {args.output_len} out, "
+              f"max_num_seqs {llm.config.max_num_seqs}, budget {llm.config.max_num_batched_tokens} | {wall:.2f} s")
+        print("| host function | calls | median µs | p90 µs |")
+        print("|---|---|---|---|")
+        for name, t in times.items():
+            if t:
+                print(f"| {name} | {len(t)} | {np.median(t):.0f} | {np.percentile(t, 90):.0f} |")
+        steps, waits = times["LLMEngine._step (a whole host step)"], times["  of which InFlightStep.wait (for the device)"]
+        print(f"per step: wall {wall * 1e6 / len(steps):.0f} µs, host busy {(sum(steps) - sum(waits)) / len(steps):.0f} µs "
+              f"(_step less its waits for the device; the rest of the wall is the caller's loop)\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,3 +51,21 @@ def test_the_sampling_suite_runs_every_workload_on_one_engine(tmp_path):
                for name in ("json_schemas_1", "json_schemas_16", "penalties", "prompt_logprobs")}
     assert results["json_schemas_16"]["json_schemas"] == 16 and results["penalties"]["output_tokens"] == 2 * 4 * 4
     assert results["prompt_logprobs"]["num_prompts"] == 1000 and all(r["ratio"] > 0 for r in results.values())
+
+
+def test_step_host_time_times_the_sampling_workloads_on_one_engine():
+    """scripts/step_host_time.py --workload plain,json,penalties (gpu_session.sh's host_sampling stage): each
+    workload's table, with the grammar's and the penalties' host functions where they run."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(__file__))
+    run = subprocess.run([sys.executable, "scripts/step_host_time.py", "--num-prompts", "4", "--input-len", "8",
+                          "--output-len", "3", "--num-kv-blocks", "64", "--workload", "plain,json,penalties"],
+                         check=True, cwd=root, timeout=300, capture_output=True, text=True)
+    tables = run.stdout.split("# ")[1:]
+    assert [t.split(" |")[0] for t in tables] == ["plain", "json", "penalties"]
+    plain, json_mode, penalties = tables
+    assert "fill_token_mask" in json_mode and "accept_tokens" in json_mode and "fill_token_mask" not in plain
+    assert "LogitsAdjuster" in penalties and "LogitsAdjuster" not in json_mode
+    assert all("per step: wall" in t for t in tables)
