@@ -29,7 +29,9 @@ def run_one(args, size: int, out: str) -> None:
     from flexengine.compile import compile_count
     show_engine_info()  # KV cache, warm-up and capture seconds in the log of each size
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() and args.device != "cpu" else "float32")
+    # no prefix cache: the noise run repeats the parity prompts, and must compute them afresh, not read their pages
     llm, build_s = timed(LLM, args.model, dtype=dtype, device=args.device, tensor_parallel_size=size,
+                         enable_prefix_caching=False,
                          max_model_len=max(args.input_len + args.max_tokens, 2 * args.speed_len * args.speed) + 16)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=1)
