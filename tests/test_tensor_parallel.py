@@ -215,6 +215,47 @@ def test_a_killed_worker_fails_the_call_within_seconds(tmp_path_factory):
         token_ids(llm, PROMPTS[:1], greedy(2))
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an exited process stays one until it is reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_end_when_rank_0_is_killed(tmp_path_factory, tmp_path):
+    """Rank 0 killed (SIGKILL: no finalizer runs) while idle, the workers waiting for its next step: they see the
+    pipe close and end within seconds, instead of holding their devices as orphans."""
+    import subprocess
+    import sys
+    _, path = checkpoint("llama", tmp_path_factory)
+    script = tmp_path / "rank0.py"
+    script.write_text(f"""
+from flexengine import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM({path!r}, tensor_parallel_size=2, **{ENGINE!r})
+    llm.generate([{{"prompt_token_ids": [1, 2, 3]}}], SamplingParams(max_tokens=4), use_tqdm=False)
+    print("WORKER", llm.llm_engine.runner.workers.procs[0].pid, flush=True)
+    import time
+    time.sleep(600)
+""")
+    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = rank0.stdout.readline()
+        assert line.startswith("WORKER"), line
+        worker = int(line.split()[1])
+        time.sleep(0.5)  # the worker waits for the next step
+        rank0.kill()
+        rank0.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and running(worker):
+            time.sleep(0.1)
+        assert not running(worker), "the worker outlived rank 0"
+    finally:
+        rank0.kill()
+
+
 @pytest.mark.parametrize("name,size,message", [
     ("llama", 3, r"tensor_parallel_size=3 does not divide the number of attention heads \(4\)"),
     ("qwen3", 4, r"tensor_parallel_size=4 does not divide the number of attention heads \(6\)"),
