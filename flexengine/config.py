@@ -52,6 +52,20 @@ def env_dist_backend() -> str:
     return value
 
 
+ALL_REDUCE_ENV = "FLEXENGINE_ALL_REDUCE"
+ALL_REDUCES = ("nccl", "one_shot")
+
+
+def env_all_reduce() -> str:
+    """How tensor parallelism sums the layers' partial outputs on CUDA, from FLEXENGINE_ALL_REDUCE: nccl (the
+    default) or one_shot (each rank reads the others' copy through symmetric memory in one kernel, for inputs
+    up to collectives.ONE_SHOT_MAX_BYTES; an experiment until measured, docs/parallelism.md)."""
+    value = os.environ.get(ALL_REDUCE_ENV, "").strip().lower() or "nccl"
+    if value not in ALL_REDUCES:
+        raise ValueError(f"{ALL_REDUCE_ENV} must be one of {', '.join(ALL_REDUCES)}, got {value!r}")
+    return value
+
+
 def env_api_key() -> str | None:
     """The server's bearer token from FLEXENGINE_API_KEY (used when --api-key is not given)."""
     return os.environ.get("FLEXENGINE_API_KEY") or None

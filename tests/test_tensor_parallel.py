@@ -280,6 +280,32 @@ def test_more_ranks_than_gpus_and_nccl_without_cuda_fail_before_any_process(tmp_
     assert not multiprocessing.active_children()
 
 
+def test_one_shot_all_reduce_is_chosen_by_size_and_refused_off_cuda(tmp_path_factory, monkeypatch):
+    """FLEXENGINE_ALL_REDUCE=one_shot: sums that fit the symmetric buffer (and share its dtype) take the one-shot
+    op, the rest NCCL; off CUDA it is a ValueError before any process; an unknown value names the choices."""
+    from flexengine.parallel import collectives
+    _, path = checkpoint("llama", tmp_path_factory)
+    monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", "one_shot")
+    with pytest.raises(ValueError, match=r"FLEXENGINE_ALL_REDUCE=one_shot .* needs CUDA devices, but device='cpu'"):
+        LLM(path, tensor_parallel_size=2, **ENGINE)
+    monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", "custom")
+    with pytest.raises(ValueError, match=r"FLEXENGINE_ALL_REDUCE must be one of nccl, one_shot, got 'custom'"):
+        LLM(path, tensor_parallel_size=2, **ENGINE)
+    assert not multiprocessing.active_children()
+    calls = []
+    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_copy",
+                        lambda buffer, x, op, name: calls.append((buffer, op, name)) or x * 2)
+    monkeypatch.setattr(collectives.dist, "all_reduce", lambda x, group: calls.append("nccl"))
+    buffer = torch.zeros(collectives.ONE_SHOT_MAX_BYTES // 2, dtype=torch.bfloat16)
+    monkeypatch.setattr(collectives, "_one_shot", (buffer, "tp"))
+    small = torch.ones(8, 4096, dtype=torch.bfloat16)
+    assert torch.equal(collectives.all_reduce(small, None), small * 2) and calls == [(buffer, "sum", "tp")]
+    calls.clear()
+    collectives.all_reduce(torch.ones(1025, 4096, dtype=torch.bfloat16), None)  # past 8 MiB
+    collectives.all_reduce(torch.ones(8, 4096), None)  # float32: not the buffer's dtype
+    assert calls == ["nccl", "nccl"]
+
+
 def test_settings_that_do_not_pickle_are_a_value_error(tmp_path_factory):
     _, path = checkpoint("llama", tmp_path_factory)
     lock = threading.Lock()

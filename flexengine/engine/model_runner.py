@@ -35,6 +35,7 @@ from .decode_inputs import DecodeTracker, pack_decode, table_entries
 from .sampling_inputs import SamplingInputs
 from .in_flight import InFlightStep, feed_inputs
 from ..parallel import agree_on_min, building_for, drive_workers, shift_layer_mods, start_tensor_parallel
+from ..parallel.collectives import choose_all_reduce
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -98,6 +99,7 @@ class ModelRunner:
             "one KV cache shape for every layer"
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.dtype = next(self.model.parameters()).dtype
+        choose_all_reduce(self.tp, self.dtype, self.device)  # (NCCL unless FLEXENGINE_ALL_REDUCE says otherwise)
         self.vocab_size = text_config(self.hf_config).vocab_size
         self.sampling = SamplingInputs(self.device, self.vocab_size, self.config.max_num_seqs)
         self.block_size = config.block_size

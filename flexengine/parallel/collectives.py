@@ -2,17 +2,55 @@
 
 Eager calls use torch.distributed's in-place ops; inside a compiled region (torch.compile traces the
 layers on CUDA) the functional collectives, which Inductor schedules and a CUDA graph captures (an NCCL
-collective runs on the current stream, so graph capture records it like any kernel).
+collective runs on the current stream, so graph capture records it like any kernel). With
+FLEXENGINE_ALL_REDUCE=one_shot on CUDA, small sums go through torch's symmetric memory instead.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+logger = logging.getLogger(__name__)
+
+
+# FLEXENGINE_ALL_REDUCE=one_shot: sums up to this size read every rank's copy in one kernel (no NCCL ring, no
+# multicast); larger ones stay on NCCL. 8 MiB is vLLM's bound for its symmetric-memory all-reduce at 2 ranks.
+ONE_SHOT_MAX_BYTES = 8 << 20
+_one_shot: tuple[torch.Tensor, str] | None = None  # (the symmetric buffer, the group's name) while enabled
+
+
+def enable_one_shot(group, dtype: torch.dtype, device: torch.device) -> None:
+    """Allocate and exchange the symmetric buffer (collective: every rank calls it at the same point)."""
+    global _one_shot
+    import torch.distributed._symmetric_memory as symm_mem
+    buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+    symm_mem.rendezvous(buffer, group.group_name)
+    _one_shot = (buffer, group.group_name)
+
+
+def choose_all_reduce(tp, dtype: torch.dtype, device: torch.device) -> None:
+    """FLEXENGINE_ALL_REDUCE on this rank's runner (launch.check_tensor_parallel has refused one_shot off CUDA)."""
+    from ..config import env_all_reduce
+    if tp.size > 1 and device.type == "cuda" and env_all_reduce() == "one_shot":
+        enable_one_shot(tp.device, dtype, device)
+        if tp.is_driver:
+            logger.info("all-reduces up to %d MiB: one shot through symmetric memory (FLEXENGINE_ALL_REDUCE)",
+                        ONE_SHOT_MAX_BYTES >> 20)
+
+
+def disable_one_shot() -> None:
+    global _one_shot
+    _one_shot = None
+
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the ranks."""
+    if _one_shot is not None and x.dtype == _one_shot[0].dtype and x.numel() <= _one_shot[0].numel():
+        buffer, name = _one_shot  # (the size is static in a compiled graph: the choice is made when it is traced)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(buffer, x, "sum", name)
     if torch.compiler.is_compiling():
         return funcol.all_reduce(x, "sum", group)
     dist.all_reduce(x, group=group)

@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from ..config import EngineConfig, env_dist_backend, resolve_device
+from ..config import EngineConfig, env_all_reduce, env_dist_backend, resolve_device
 from .state import SINGLE, TPGroup, building_for, destroy_tensor_parallel, init_tensor_parallel, tp_group
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ def check_tensor_parallel(config: EngineConfig, model_path: str) -> None:
                              f"{visible} {'is' if visible == 1 else 'are'} visible")
     elif backend == "nccl":
         raise ValueError(f"FLEXENGINE_DIST_BACKEND=nccl runs on CUDA devices, but device={config.device!r}")
+    if env_all_reduce() == "one_shot" and device.type != "cuda":
+        raise ValueError(f"FLEXENGINE_ALL_REDUCE=one_shot reads the other GPUs' memory: it needs CUDA devices, "
+                         f"but device={config.device!r} (unset it, or set it to nccl)")
     from ..models.default_model import resolve_named_model
     from ..models.gguf import find_gguf
     gguf = find_gguf(resolve_named_model(model_path))
