@@ -75,13 +75,11 @@ def fake_model_step(step_ms: float, step_us_per_seq: float, step_us_per_token: f
     device = {"free_at": 0.0}  # when the fake device finishes the last step queued
     launch, wait = InFlightStep.launch.__func__, InFlightStep.wait
 
-    def execute(self, batch, prev=None, before_sampling=None):
+    def execute(self, batch, prev=None):
         # The sequences whose prompt is complete after this step get a token (as prepare_step picks them).
         seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
         step_s = (step_ms + (step_us_per_seq * len(batch.seqs) + step_us_per_token * (batch.num_tokens - len(batch.seqs))) / 1000) / 1000
         device["free_at"] = max(time.perf_counter(), device["free_at"]) + step_s
-        if before_sampling is not None:
-            before_sampling()
         if not seqs:
             return [], None, None
         return seqs, SamplerOutput(token_ids=torch.randint(VOCAB_LO, VOCAB_HI, (len(seqs),), generator=gen)), None

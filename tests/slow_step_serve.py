@@ -15,9 +15,9 @@ if __name__ == "__mp_main__":
 
     execute = ModelRunner.execute
 
-    def slow_execute(self, batch, prev=None, before_sampling=None):
+    def slow_execute(self, batch, prev=None):
         time.sleep(SLOW_STEP_S)
-        return execute(self, batch, prev, before_sampling)
+        return execute(self, batch, prev)
 
     ModelRunner.execute = slow_execute
 

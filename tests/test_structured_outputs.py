@@ -125,20 +125,30 @@ def test_neighbours_grammars_do_not_change_unconstrained_greedy_outputs(async_sc
 def test_async_scheduling_gives_the_same_grammar_outputs():
     """With async scheduling a grammar step queues the next forward, then reads itself back (the grammars take
     its tokens) before the next mask is filled: seeded sampled outputs equal the synchronous engine's, grammars
-    that end while the next step is queued included, beside unconstrained requests, and nothing leaks."""
+    that end while the next step is queued included, beside unconstrained requests (which outlive the grammars:
+    the engine goes back to its usual overlap), and nothing leaks."""
     prompts, params = [], []
     for i, spec in enumerate(SPECS):
         prompts += [f"grammar {i}", f"free {i}"]
         params += [SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=60, structured_outputs=spec),
-                   SamplingParams(temperature=1.0, seed=50 + i, max_tokens=3 + 5 * i, logprobs=1)]
+                   SamplingParams(temperature=1.0, seed=50 + i, max_tokens=3 + 15 * i, logprobs=1)]
     runs = []
     for overlap in (False, True):
         llm = LLM(seed=0, attention_backend="reference", num_kv_blocks=256, async_scheduling=overlap,
                   max_num_batched_tokens=64)
+        engine = llm.llm_engine
+        calls = {"forward": 0, "launch": 0}  # async: both of _grammar_step's ways on from a sampled step
+        for name in calls:
+            def counted(*args, _f=getattr(engine, name), _name=name):
+                calls[_name] += 1
+                return _f(*args)
+            setattr(engine, name, counted)
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append([[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs])
-        engine = llm.llm_engine
         assert engine.num_free_blocks() == engine.num_total_blocks and not engine.grammar_seqs
+        assert engine.forwarded is None and engine.in_flight is None
+        if overlap:
+            assert calls["forward"] > 10 and calls["launch"] > 0, calls
     assert runs[0] == runs[1]
     assert all(-1 not in ids for out in runs[1] for ids, _, _ in out)
     for out, spec in zip(runs[1][0::2], SPECS):
@@ -147,15 +157,18 @@ def test_async_scheduling_gives_the_same_grammar_outputs():
                 check(spec, text)
 
 
-def test_grammar_state_survives_preemption(llm):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_grammar_state_survives_preemption(llm, async_scheduling):
     """A preempted grammar request is recomputed from its tokens; its matcher, which saw them all, goes on:
-    the seeded outputs equal those of a roomy engine."""
+    the seeded outputs equal those of a roomy engine (with async scheduling too, where a step is scheduled,
+    and may preempt, while the one before is forwarded but not yet sampled)."""
     prompts = [f"prompt {i}: " + "ab" * i for i in range(4)]
     specs = [SPECS[3], SPECS[4], SPECS[3], SPECS[4]]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=20, structured_outputs=spec)
               for i, spec in enumerate(specs)]
     roomy = llm.generate(prompts, params, use_tqdm=False)
-    tight = LLM(seed=0, attention_backend="reference", num_kv_blocks=10, block_size=4, max_model_len=40)
+    tight = LLM(seed=0, attention_backend="reference", num_kv_blocks=10, block_size=4, max_model_len=40,
+                async_scheduling=async_scheduling)
     cramped = tight.generate(prompts, params, use_tqdm=False)
     assert tight.llm_engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]

@@ -90,6 +90,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.runner.device.type, steps)
         self.in_flight: InFlightStep | None = None  # async scheduling: launched, not yet read back
+        self.forwarded = None  # (batch, runner.Forwarded): a forward queued, its sampler not yet (_grammar_step)
         self.device_wait_s = 0.0  # time spent waiting for steps' tokens (the engine loop's stats)
         self.eos_token_ids = self._eos_token_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
@@ -133,7 +134,7 @@ class LLMEngine:
         return self.block_manager.num_free_blocks()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.scheduler.has_unfinished() or self.in_flight is not None or self.forwarded is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -284,18 +285,8 @@ class LLMEngine:
 
     def _step(self) -> dict[str, Request]:
         """Run a step; → the requests that progressed in the step it completes."""
-        if self._grammar_in_flight():
-            # A grammar row's next mask needs the token in flight: the next step's forward is queued first,
-            # then the step in flight is read back and processed (its tokens reach the grammars) while the
-            # device runs that forward, and only then is the mask filled and the sampler queued.
-            done, progressed = self.in_flight, {}
-            batch = self.scheduler.schedule()
-            assert batch.num_steps == 1, "multi-step decode excludes async scheduling"
-            read_back = lambda: progressed.update(self.process(done))  # noqa: E731
-            self.in_flight = self.launch(batch, before_sampling=read_back) if batch.seqs else None
-            if self.in_flight is None:
-                read_back()
-            return progressed
+        if self.forwarded is not None or self._grammar_in_flight():
+            return self._grammar_step()
         batch = self.scheduler.schedule()
         if batch.num_steps > 1:
             tokens = self.runner.execute_multi_step(batch).tolist()  # the steps' one device → host sync
@@ -312,21 +303,59 @@ class LLMEngine:
             return {}
         return self.process(done)
 
+    def _grammar_step(self) -> dict[str, Request]:
+        """A step while a grammar row's next mask needs the token in flight (async scheduling). Step N+1's
+        forward is queued first (by the call before, or here); while the device runs it, step N is read back
+        (its tokens reach the grammars), N+1's masks are filled and step N+2 is scheduled; then N+1's sampler
+        and N+2's forward are queued back to back, and the host's reading, filling and scheduling never stand
+        between the device's steps. → the requests that step N progressed."""
+        if self.forwarded is None:  # entering: queue N+1's forward
+            batch = self.scheduler.schedule()
+            assert batch.num_steps == 1, "multi-step decode excludes async scheduling"
+            if not batch.seqs:
+                done, self.in_flight = self.in_flight, None
+                return self.process(done)
+            self.forwarded = self.forward(batch)
+        (batch, fwd), self.forwarded = self.forwarded, None
+        progressed = self.process(self.in_flight) if self.in_flight is not None else {}
+        tensors = self.runner.sampling_inputs(fwd, self.in_flight)  # N+1's masks: N's tokens are in the grammars
+        self.add_pending(fwd.seqs)
+        next_batch = self.scheduler.schedule()  # N+2 (its sequences hold N+1's PENDING tokens)
+        assert next_batch.num_steps == 1, "multi-step decode excludes async scheduling"
+        self.in_flight = InFlightStep.launch(batch, *self.runner.sample(fwd, tensors))
+        if any(s.grammar is not None for s in next_batch.seqs):
+            self.forwarded = self.forward(next_batch)  # sampled in the next call, once N+1 is read back
+        elif next_batch.seqs:  # no grammar row in N+2: back to the usual overlap, one sampled step in flight
+            launched = self.launch(next_batch)
+            done, self.in_flight = self.in_flight, launched
+            progressed.update(self.process(done))
+        return progressed
+
+    def forward(self, batch) -> tuple:
+        """Queue a step's forward, not its sampler (_grammar_step): → (batch, runner.Forwarded)."""
+        fwd = self.runner.forward(batch, self.in_flight)
+        self.scheduler.mark_launched(batch)
+        return batch, fwd
+
+    def add_pending(self, seqs) -> None:
+        """Each sequence that samples in a launched step holds a PENDING token until the step is read (one that
+        finished since the step was queued gets none: its token will be dropped)."""
+        for seq in seqs:
+            if not seq.is_finished:
+                seq.token_ids.append(PENDING)
+                seq.num_pending += 1
+
     def _grammar_in_flight(self) -> bool:
         if not self.grammar_seqs or self.in_flight is None:
             return False
         return any(s.grammar is not None for s in self.in_flight.seqs)
 
-    def launch(self, batch, before_sampling=None) -> InFlightStep:
-        """Queue the step on the device; each sequence that samples holds a PENDING token until it is read
-        (one that `before_sampling` finished gets none: its token will be dropped)."""
-        seqs, out, prompt = self.runner.execute(batch, self.in_flight, before_sampling)
+    def launch(self, batch) -> InFlightStep:
+        """Queue the step on the device, forward and sampler."""
+        seqs, out, prompt = self.runner.execute(batch, self.in_flight)
         step = InFlightStep.launch(batch, seqs, out, prompt)
         self.scheduler.mark_launched(batch)
-        for seq in seqs:
-            if not seq.is_finished:
-                seq.token_ids.append(PENDING)
-                seq.num_pending += 1
+        self.add_pending(seqs)
         return step
 
     def process(self, step: InFlightStep) -> dict[str, Request]:

@@ -4,7 +4,9 @@ A step is three functions named for what they do:
   prepare_step(batch) -> StepInputs    host lists → device tensors (one transfer each) + metadata (once)
                                        (pack_step is its host half; a mixed CUDA graph takes that directly)
   run_model(input_ids, positions, meta) -> hidden   the only call the compile layer needs to wrap
-  sample_logits(logits, seqs, prev) -> SamplerOutput  logits only for rows that need a token
+  sample(forwarded, sampling_inputs(forwarded, prev)) -> tokens   logits only for rows that need a token
+`execute` is the three in a row; the engine calls `forward` and `sample` apart when a grammar's masks need
+the step before's tokens (LLMEngine._grammar_step).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from ..attention.layout import StepLayout, plan_layout
 from ..attention.staging import to_device
 from ..compile import fused_elementwise
 from ..config import EngineConfig, resolve_device
-from ..layers.sampler import Sampler, SamplerOutput
+from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_blocks, text_config, wanted_max_model_len,
                         workspace_tokens_wanted)
 from .layer_mods import apply_mod_overrides, mod_params
@@ -71,6 +73,14 @@ def wants_compile(device: torch.device, enforce_eager: bool) -> bool:
 
 
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}  # the dtypes a mod's parameter can declare
+
+
+@dataclass
+class Forwarded:
+    """A step whose forward is queued and whose sampler is not yet."""
+    seqs: list[Sequence]          # the sequences that sample a token, in row order
+    logits: torch.Tensor | None   # their logits (None when no row samples)
+    prompt: PromptLogprobs | None  # the prompt logprobs of the sequences that ask
 
 
 class ModelRunner:
@@ -259,11 +269,19 @@ class ModelRunner:
         with fused_elementwise(self.compiled):  # this engine's setting, whatever other engines use
             return self.model(input_ids, positions, meta)
 
-    def sample_logits(self, logits: torch.Tensor, seqs: list[Sequence], prev: InFlightStep | None,
-                      before_sampling=None) -> SamplerOutput:
-        if before_sampling is not None:
-            before_sampling()
-        return self.sampler(logits, self.sampling.tensors(seqs, prev))
+    @torch.inference_mode()
+    def sampling_inputs(self, fwd: Forwarded, prev: InFlightStep | None) -> SamplingTensors | None:
+        """The sampled rows' parameters, masks and penalties on the device (prev: the step in flight, whose
+        samples are PENDING tokens of these rows)."""
+        return self.sampling.tensors(fwd.seqs, prev) if fwd.seqs else None
+
+    @torch.inference_mode()
+    def sample(self, fwd: Forwarded, tensors: SamplingTensors | None) \
+            -> tuple[list[Sequence], SamplerOutput | None, PromptLogprobs | None]:
+        """Queue the sampler: → (sequences that got a token, their sampler output, prompt logprobs)."""
+        if not fwd.seqs:
+            return [], None, fwd.prompt
+        return fwd.seqs, self.sampler(fwd.logits, tensors), fwd.prompt
 
     # ---------------------------------------------------------------- CUDA graphs for decode
     def forward_logits(self, input_ids, positions, meta) -> torch.Tensor:
@@ -327,17 +345,20 @@ class ModelRunner:
                 and g.bucket_for(len(batch.seqs)) is not None)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, prev: InFlightStep | None = None, before_sampling=None) \
+    def execute(self, batch: ScheduledBatch, prev: InFlightStep | None = None) \
             -> tuple[list[Sequence], SamplerOutput | None, PromptLogprobs | None]:
         """One step: → (sequences that got a token, their sampler output, the prompt logprobs of the
         sequences that ask), all still on the device.
 
-        prev: the step launched before this one, whose samples are this step's PENDING input tokens.
-        before_sampling: called once the forward is queued, before the sampling inputs are made (the engine
-        reads `prev` back there when a grammar's mask needs its tokens: the device runs the forward meanwhile)."""
+        prev: the step launched before this one, whose samples are this step's PENDING input tokens."""
+        fwd = self.forward(batch, prev)
+        return self.sample(fwd, self.sampling_inputs(fwd, prev))
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, prev: InFlightStep | None = None) -> Forwarded:
+        """Queue the step's forward and the logits of the rows that sample (prompt logprobs too)."""
         if self.decode_with_graphs(batch):  # every row is a sequence's last token: no prompt token to score
-            logits = self.decode_from_graphs(batch.seqs, prev)
-            return batch.seqs, self.sample_logits(logits, batch.seqs, prev, before_sampling), None
+            return Forwarded(batch.seqs, self.decode_from_graphs(batch.seqs, prev), None)
         self.decode_tracker.forget()  # (the graphs' buffers stay as they are, but the batch moves on without them)
         p = self.pack_step(batch) if self.mixed_graphs is not None else None
         if p is not None and self.mixed_graphs.fits(p.layout):  # a step with prompt tokens, from a graph
@@ -352,11 +373,8 @@ class ModelRunner:
         prompt = score_prompt_tokens(self.model.compute_logits, hidden, batch.seqs, batch.num_new_tokens,
                                      p.last_rows + 1 - np.asarray(batch.num_new_tokens), self.compiled)
         if not p.sample_seqs:
-            if before_sampling is not None:
-                before_sampling()
-            return [], None, prompt
-        logits = self.model.compute_logits(hidden[self.to_device(p.sample_rows)])
-        return p.sample_seqs, self.sample_logits(logits, p.sample_seqs, prev, before_sampling), prompt
+            return Forwarded([], None, prompt)
+        return Forwarded(p.sample_seqs, self.model.compute_logits(hidden[self.to_device(p.sample_rows)]), prompt)
 
     def feed(self, prev: InFlightStep | None, seqs: list[Sequence], last_rows):
         """The rows of this step whose input is a PENDING sample of `prev`, with its values (on the device)."""
