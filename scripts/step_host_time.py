@@ -91,8 +91,9 @@ def main() -> None:
         runner.mixed_graphs.run = timed(times["then MixedGraphRunner.run"], runner.mixed_graphs.run)
     runner.prepare_step = timed(times["or prepare_step (eager metadata)"], runner.prepare_step)
     engine = llm.llm_engine
-    engine._step = timed(times["LLMEngine._step (a whole host step)"], engine._step)
-    in_flight.InFlightStep.wait = timed(times["  of which InFlightStep.wait (for the device)"], in_flight.InFlightStep.wait)
+    steps, waits = times["LLMEngine._step (a whole host step)"], times["  of which InFlightStep.wait (for the device)"]
+    engine._step = timed(steps, engine._step)
+    in_flight.InFlightStep.wait = timed(waits, in_flight.InFlightStep.wait)
     Sampler.__call__ = timed(times["  of which Sampler.__call__ (launches)"], Sampler.__call__)
     sampling_inputs.fill_token_mask = timed(times["  of which fill_token_mask"], sampling_inputs.fill_token_mask)
     llm_engine.accept_tokens = timed(times["  of which accept_tokens"], llm_engine.accept_tokens)
@@ -114,7 +115,6 @@ def main() -> None:
         for name, t in times.items():
             if t:
                 print(f"| {name} | {len(t)} | {np.median(t):.0f} | {np.percentile(t, 90):.0f} |")
-        steps, waits = times["LLMEngine._step (a whole host step)"], times["  of which InFlightStep.wait (for the device)"]
         print(f"per step: wall {wall * 1e6 / len(steps):.0f} µs, host busy {(sum(steps) - sum(waits)) / len(steps):.0f} µs "
               f"(_step less its waits for the device; the rest of the wall is the caller's loop)\n", flush=True)
 

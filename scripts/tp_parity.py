@@ -38,15 +38,11 @@ def run_one(args, size: int, out: str) -> None:
     llm.generate(as_requests(prompts[:1]), params, use_tqdm=False)  # first-call costs
     before = compile_count()
     outs = llm.generate(as_requests(prompts), params, use_tqdm=False)
-    rows = [dict(tokens=o.outputs[0].token_ids,
-                 logprobs=[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
+    rows = greedy_rows(outs)
     after_parity = compile_count()
     # bf16's own noise at this size: the same prompts one at a time (other GEMM shapes, other rounding)
-    alone = [llm.generate(as_requests([p]), params, use_tqdm=False)[0] for p in prompts] if size == 1 else []
-    alone_rows = [dict(tokens=o.outputs[0].token_ids,
-                       logprobs=[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-                  for o in alone]
+    alone_rows = greedy_rows([llm.generate(as_requests([p]), params, use_tqdm=False)[0] for p in prompts]
+                             if size == 1 else [])
     speed = measure_speed(llm, args.seed, args.speed_batch, args.speed_len) if args.speed else None
     if speed is not None:
         speed["compiled"] = compile_count() - after_parity  # the benchmark's shapes, after warm-up too
@@ -58,6 +54,13 @@ def run_one(args, size: int, out: str) -> None:
     started = time.perf_counter()
     llm.llm_engine.shutdown()
     print(f"# TP={size} shut down in {time.perf_counter() - started:.1f} s", flush=True)
+
+
+def greedy_rows(outs) -> list[dict]:
+    """Each request's tokens and their logprobs, as compare() reads them."""
+    return [dict(tokens=o.outputs[0].token_ids,
+                 logprobs=[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
 
 
 def measure_speed(llm, seed: int, batch: int, length: int) -> dict:

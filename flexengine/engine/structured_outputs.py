@@ -92,8 +92,7 @@ class Grammars:
         size = len(self.tokenizer)
         info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=size,
                                                   stop_token_ids=self.stop_token_ids or None)
-        self.grammar_vocab_size = info.vocab_size
-        self.width = -(-info.vocab_size // 32)  # int32 words of a row's bitmask
+        self.grammar_vocab_size = info.vocab_size  # the tokenizer's ids, which a row's bitmask covers
         self.batch = xgr.BatchGrammarMatcher()  # fills a step's rows on several threads
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached here, by our key
         logger.info("structured outputs: xgrammar ready for a %d-token vocabulary in %.2f s", info.vocab_size,
@@ -155,17 +154,21 @@ class Grammars:
     def matcher(self, compiled) -> "GrammarState":
         xgr = import_xgrammar()
         return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None),
-                            width=self.width, vocab_size=self.grammar_vocab_size, batch=self.batch)
+                            vocab_size=self.grammar_vocab_size, batch=self.batch)
 
 
 @dataclass(eq=False)
 class GrammarState:
     """A sequence's matcher: where its output stands in the grammar."""
     matcher: object
-    width: int                   # int32 words of its bitmask
     vocab_size: int              # the tokenizer's ids, which its bitmask covers
     batch: object                # the engine's xgrammar.BatchGrammarMatcher
     rejected: int | None = None  # a token the grammar did not allow (only if every token was banned)
+
+    @property
+    def width(self) -> int:
+        """int32 words of its bitmask."""
+        return -(-self.vocab_size // 32)
 
 
 def fill_token_mask(seqs, rows, device) -> TokenMask | None:
