@@ -66,6 +66,21 @@ def env_all_reduce() -> str:
     return value
 
 
+DECODE_SPLITS_ENV = "FLEXENGINE_DECODE_SPLITS"
+
+
+def env_decode_splits() -> int | None:
+    """The most split-KV rows a decode request gets on CUDA, from FLEXENGINE_DECODE_SPLITS (a positive
+    integer; unset: the engine's choice, attention/layout.choose_decode_splits). 1 turns split-KV off: no
+    query gather and no merge launch per layer, one program per KV head. A probe's knob (issue 16)."""
+    value = os.environ.get(DECODE_SPLITS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{DECODE_SPLITS_ENV} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def env_api_key() -> str | None:
     """The server's bearer token from FLEXENGINE_API_KEY (used when --api-key is not given)."""
     return os.environ.get("FLEXENGINE_API_KEY") or None

@@ -86,10 +86,10 @@ def measure_speed(llm, seed: int, batch: int, length: int) -> dict:
                 median_output_tokens_per_s=batch * length / statistics.median(runs))
 
 
-def run_child(cmd: list[str], out: str, grace_s: float = 60.0) -> int:
+def run_child(cmd: list[str], out: str, env: dict | None = None, grace_s: float = 60.0) -> int:
     """Run one size; once it has written `out`, give it `grace_s` to shut down, then kill it (a hung
     shutdown is reported, and does not cost the measurements)."""
-    child = subprocess.Popen(cmd)
+    child = subprocess.Popen(cmd, env=None if env is None else {**os.environ, **env})
     written_at = None
     while child.poll() is None:
         time.sleep(1.0)
@@ -131,6 +131,9 @@ def main() -> int:
                    help="also, on the same engines: batch-1 ms/token and 256 x 256 x 256 tokens/s at each size")
     p.add_argument("--speed-batch", type=int, default=256, help="--speed's throughput requests (CPU dry runs: fewer)")
     p.add_argument("--speed-len", type=int, default=256, help="--speed's prompt and output tokens")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                   help="one more TP=N engine with these environment variables, against the same TP=1 (e.g. "
+                        "one_shot:FLEXENGINE_ALL_REDUCE=one_shot); repeatable")
     p.add_argument("--json", default=None)
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this size only
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -138,7 +141,7 @@ def main() -> int:
     if args.one is not None:
         run_one(args, args.one, args.out)
         return 0
-    results = {}
+    results, variants = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in (1, args.tensor_parallel_size):
             out = f"{tmp}/tp{size}.json"
@@ -147,6 +150,11 @@ def main() -> int:
                 print(f"TP={size} failed (exit {code}); measured before it: {json.dumps(results)}")
                 return 1
             results[size] = json.load(open(out))
+        for name, env in map(parse_variant, args.variant):  # a failed variant loses only itself
+            out = f"{tmp}/{name}.json"
+            code = run_child([sys.executable, __file__, *sys.argv[1:], "--one", str(args.tensor_parallel_size),
+                              "--out", out], out, env)
+            variants[name] = dict(env=env, **json.load(open(out))) if os.path.exists(out) else dict(env=env, failed=code)
     one, many = results[1], results[args.tensor_parallel_size]
     report = dict(model=args.model, dtype=one["dtype"], tensor_parallel_size=args.tensor_parallel_size,
                   num_prompts=args.num_prompts, input_len=args.input_len, max_tokens=args.max_tokens,
@@ -181,9 +189,43 @@ def main() -> int:
         print(f"TP={args.tensor_parallel_size} / TP=1: batch 1 {a['batch1_ms_per_token'] / b['batch1_ms_per_token']:.2f}x "
               f"faster (target 1.6x), throughput {b['median_output_tokens_per_s'] / a['median_output_tokens_per_s']:.2f}x "
               f"(target 1.3x)")
+    if variants:
+        report["variants"] = report_variants(args, one, variants)
     if args.json:
         json.dump(report, open(args.json, "w"), indent=1)
     return 0
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    name, _, assignments = spec.partition(":")
+    env = dict(a.split("=", 1) for a in assignments.split(",") if a)
+    if not name or not env:
+        raise SystemExit(f"--variant {spec!r}: expected NAME:VAR=VALUE[,VAR=VALUE]")
+    return name, env
+
+
+def report_variants(args, one: dict, variants: dict) -> dict:
+    """Each variant's TP=N engine against the same TP=1: parity, and with --speed its two ratios."""
+    n = args.tensor_parallel_size
+    print(f"\n| TP={n} variant | environment | tokens identical (of {args.num_prompts}) | largest logprob difference "
+          "| batch-1 ms/token | batch-1 vs TP=1 | output tok/s | throughput vs TP=1 |\n|---|---|---|---|---|---|---|---|")
+    report = {}
+    for name, r in variants.items():
+        env = " ".join(f"{k}={v}" for k, v in r["env"].items())
+        if "failed" in r:
+            print(f"| {name} | {env} | failed (exit {r['failed']}) | | | | | |")
+            report[name] = r
+            continue
+        parity = compare(one, r)
+        report[name] = dict(env=r["env"], identical=parity["identical"], max_logprob_diff=parity["max_logprob_diff"],
+                            speed=r["speed"], compiled_after_warm_up=r["compiled_after_warm_up"])
+        speed = ("| | | | |" if not args.speed else
+                 f"| {r['speed']['batch1_ms_per_token']:.3f} "
+                 f"| {one['speed']['batch1_ms_per_token'] / r['speed']['batch1_ms_per_token']:.2f}x "
+                 f"| {r['speed']['median_output_tokens_per_s']:.0f} "
+                 f"| {r['speed']['median_output_tokens_per_s'] / one['speed']['median_output_tokens_per_s']:.2f}x |")
+        print(f"| {name} | {env} | {parity['identical']} | {parity['max_logprob_diff']:.2e} {speed}")
+    return report
 
 
 if __name__ == "__main__":

@@ -184,3 +184,22 @@ def test_to_device_through_the_pinned_ring_keeps_every_copy():
     copies = [to_device(a, "cuda") for a in arrays]
     for a, c in zip(arrays, copies):
         np.testing.assert_array_equal(c.cpu().numpy(), a)
+
+
+def test_decode_splits_env_caps_the_splits_and_refuses_nonsense(monkeypatch):
+    """FLEXENGINE_DECODE_SPLITS caps split-KV on CUDA (every rank reads the same environment); off CUDA splits
+    are always 1, and a value that is not a positive integer is a ValueError that names the variable."""
+    from flexengine.attention.layout import choose_decode_splits
+    from flexengine.config import env_decode_splits
+    monkeypatch.delenv("FLEXENGINE_DECODE_SPLITS", raising=False)
+    assert env_decode_splits() is None
+    for value in ("1", "7"):
+        monkeypatch.setenv("FLEXENGINE_DECODE_SPLITS", value)
+        assert env_decode_splits() == int(value)
+        assert choose_decode_splits(1, 8, "cpu") == 1
+        if torch.cuda.is_available():
+            assert choose_decode_splits(1, 1, "cuda") == int(value)  # one row, one head: the cap decides
+    for value in ("0", "-2", "four"):
+        monkeypatch.setenv("FLEXENGINE_DECODE_SPLITS", value)
+        with pytest.raises(ValueError, match="FLEXENGINE_DECODE_SPLITS must be a positive integer"):
+            env_decode_splits()

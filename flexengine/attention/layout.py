@@ -94,11 +94,13 @@ def choose_decode_splits(num_decode: int, num_kv_heads: int, device) -> int:
     """Enough split-KV rows to give every SM about two (row, kv-head) programs; 1 at large batch.
 
     Always 1 off CUDA: merging splits needs the kernel's log-sum-exp, which CPU Inductor lacks.
+    FLEXENGINE_DECODE_SPLITS caps it (every rank of tensor parallelism reads the same environment).
     """
+    from ..config import env_decode_splits
     device = torch.device(device)
     if device.type != "cuda" or num_decode == 0:
         return 1
-    return max(1, min(32, (2 * _num_sms(device)) // (num_decode * num_kv_heads)))
+    return max(1, min(env_decode_splits() or 32, (2 * _num_sms(device)) // (num_decode * num_kv_heads)))
 
 
 def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int = 0,
