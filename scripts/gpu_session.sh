@@ -143,9 +143,11 @@ for stage in ${*:-tests attention compare latency}; do
            step sampling_suite 480 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 \
              scripts/sampling_suite.py --model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --out "$OUT"; } ;;
     tp2) model8b && step tp2_parity 580 python3 scripts/tp_parity.py --model "$MODEL8B_DIR" -tp 2 --speed \
-           --variant one_shot:FLEXENGINE_ALL_REDUCE=one_shot --json "$OUT/tp2_parity.json" ;;
-           # parity and bf16's noise, then on the same engines batch 1, 256^3, profiles; a third engine: TP=2 with
-           # the symmetric-memory all-reduce
+           --variant one_shot:FLEXENGINE_ALL_REDUCE=one_shot \
+           --variant one_shot_no_split:FLEXENGINE_ALL_REDUCE=one_shot,FLEXENGINE_DECODE_SPLITS=1 \
+           --json "$OUT/tp2_parity.json" ;;
+           # parity and bf16's noise, then on the same engines batch 1, 256^3, profiles; then TP=2 with the
+           # symmetric-memory all-reduce, and with it and split-KV off
     tp2_splits) model8b && step tp2_splits 580 env FLEXENGINE_DECODE_SPLITS=1 python3 scripts/tp_parity.py \
            --model "$MODEL8B_DIR" -tp 2 --speed --variant one_shot:FLEXENGINE_ALL_REDUCE=one_shot \
            --json "$OUT/tp2_splits.json" ;;  # the same with split-KV off at both sizes (issue 16's candidate)

@@ -50,7 +50,9 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the ranks."""
     if _one_shot is not None and x.dtype == _one_shot[0].dtype and x.numel() <= _one_shot[0].numel():
         buffer, name = _one_shot  # (the size is static in a compiled graph: the choice is made when it is traced)
-        return torch.ops.symm_mem.one_shot_all_reduce_copy(buffer, x, "sum", name)
+        # the op wants the symmetric buffer in x's own shape: it copies x there, then reads every rank's copy
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(buffer[: x.numel()].view(x.shape), x.contiguous(),
+                                                           "sum", name)
     if torch.compiler.is_compiling():
         return funcol.all_reduce(x, "sum", group)
     dist.all_reduce(x, group=group)
