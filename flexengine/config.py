@@ -53,14 +53,15 @@ def env_dist_backend() -> str:
 
 
 ALL_REDUCE_ENV = "FLEXENGINE_ALL_REDUCE"
-ALL_REDUCES = ("nccl", "one_shot")
+ALL_REDUCES = ("auto", "nccl", "one_shot")
 
 
 def env_all_reduce() -> str:
-    """How tensor parallelism sums the layers' partial outputs on CUDA, from FLEXENGINE_ALL_REDUCE: nccl (the
-    default) or one_shot (each rank reads the others' copy through symmetric memory in one kernel, for inputs
-    up to collectives.ONE_SHOT_MAX_BYTES; an experiment until measured, docs/parallelism.md)."""
-    value = os.environ.get(ALL_REDUCE_ENV, "").strip().lower() or "nccl"
+    """How tensor parallelism sums the layers' partial outputs, from FLEXENGINE_ALL_REDUCE: auto (the default:
+    one_shot where every pair of the group's GPUs has peer access, else NCCL), nccl, or one_shot (CUDA only:
+    each rank reads the others' copy through symmetric memory in one kernel, for inputs up to
+    collectives.ONE_SHOT_MAX_BYTES; docs/parallelism.md has its measurements)."""
+    value = os.environ.get(ALL_REDUCE_ENV, "").strip().lower() or "auto"
     if value not in ALL_REDUCES:
         raise ValueError(f"{ALL_REDUCE_ENV} must be one of {', '.join(ALL_REDUCES)}, got {value!r}")
     return value

@@ -14,8 +14,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   annotated-types==0.7.0 typing-inspection==0.4.2 annotated-doc==0.0.7 opentelemetry-api==1.45.2 \
   typing-extensions==4.15.0 uvloop==0.23.0 httptools==0.9.0 \
   attn-gym==0.0.17 \
-  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 fastjsonschema==2.22.2
 # uvicorn picks uvloop/httptools up by itself (+16% on CPU); attn-gym for the GPU tests of its mods; xgrammar
-# (and apache-tvm-ffi, its one dependency the box lacks) for structured outputs (gpu_session.sh's sampling stage)
+# (and apache-tvm-ffi, its one dependency the box lacks) for structured outputs (gpu_session.sh's sampling stage); fastjsonschema validates the JSON-mode GPU tests' outputs (the box has no rpds-py for jsonschema)
 ls -1 .whl/*.whl
 du -ch .whl/*.whl | tail -1

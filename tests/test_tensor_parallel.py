@@ -289,21 +289,42 @@ def test_one_shot_all_reduce_is_chosen_by_size_and_refused_off_cuda(tmp_path_fac
     with pytest.raises(ValueError, match=r"FLEXENGINE_ALL_REDUCE=one_shot .* needs CUDA devices, but device='cpu'"):
         LLM(path, tensor_parallel_size=2, **ENGINE)
     monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", "custom")
-    with pytest.raises(ValueError, match=r"FLEXENGINE_ALL_REDUCE must be one of nccl, one_shot, got 'custom'"):
+    with pytest.raises(ValueError, match=r"FLEXENGINE_ALL_REDUCE must be one of auto, nccl, one_shot, got 'custom'"):
         LLM(path, tensor_parallel_size=2, **ENGINE)
     assert not multiprocessing.active_children()
     calls = []
-    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_copy",
-                        lambda buffer, x, op, name: calls.append((buffer, op, name)) or x * 2)
+    # the op wants the symmetric buffer viewed in the input's shape (session 18's first GPU call failed on this)
+    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_copy", lambda buffer, x, op, name: calls.append(
+        (buffer.data_ptr(), tuple(buffer.shape), op, name)) or x * 2)
     monkeypatch.setattr(collectives.dist, "all_reduce", lambda x, group: calls.append("nccl"))
     buffer = torch.zeros(collectives.ONE_SHOT_MAX_BYTES // 2, dtype=torch.bfloat16)
     monkeypatch.setattr(collectives, "_one_shot", (buffer, "tp"))
     small = torch.ones(8, 4096, dtype=torch.bfloat16)
-    assert torch.equal(collectives.all_reduce(small, None), small * 2) and calls == [(buffer, "sum", "tp")]
+    assert torch.equal(collectives.all_reduce(small, None), small * 2)
+    assert calls == [(buffer.data_ptr(), (8, 4096), "sum", "tp")]
     calls.clear()
     collectives.all_reduce(torch.ones(1025, 4096, dtype=torch.bfloat16), None)  # past 8 MiB
     collectives.all_reduce(torch.ones(8, 4096), None)  # float32: not the buffer's dtype
     assert calls == ["nccl", "nccl"]
+
+
+def test_auto_all_reduce_takes_one_shot_only_where_every_gpu_pair_has_peer_access(monkeypatch):
+    """auto (the default): one_shot on CUDA where each pair of the group's GPUs reads the other's memory, NCCL
+    otherwise, at size 1 and off CUDA; every rank of a group decides alike; nccl and one_shot force it."""
+    from flexengine.parallel.collectives import one_shot_or_nccl
+    blocked = set()
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) not in blocked)
+    monkeypatch.delenv("FLEXENGINE_ALL_REDUCE", raising=False)
+    assert [one_shot_or_nccl(2, r, torch.device("cuda", 2 + r)) for r in (0, 1)] == ["one_shot"] * 2
+    assert one_shot_or_nccl(1, 0, torch.device("cuda", 0)) == "nccl"
+    assert one_shot_or_nccl(2, 0, torch.device("cpu")) == "nccl"
+    blocked.add((3, 2))  # cuda:3 cannot read cuda:2: both ranks of cuda:2-3 stay on NCCL, cuda:0-1 are unaffected
+    assert [one_shot_or_nccl(2, r, torch.device("cuda", 2 + r)) for r in (0, 1)] == ["nccl"] * 2
+    assert one_shot_or_nccl(2, 1, torch.device("cuda", 1)) == "one_shot"
+    monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", "one_shot")
+    assert one_shot_or_nccl(2, 0, torch.device("cuda", 2)) == "one_shot"
+    monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", "nccl")
+    assert one_shot_or_nccl(2, 0, torch.device("cuda", 0)) == "nccl"
 
 
 def test_settings_that_do_not_pickle_are_a_value_error(tmp_path_factory):
