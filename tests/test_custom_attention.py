@@ -188,12 +188,12 @@ def test_declared_dtypes_hold_whatever_the_values(prefix_len, sharpness):
     parameter is refused, naming the parameter and the annotation that would accept it."""
     llm = int_and_float_llm()
     values = {"prefix_len": prefix_len, "sharpness": sharpness}
-    llm.llm_engine.validate_attention_params(values)
+    llm.llm_engine.inputs.validate_attention_params(values)
     got = step_params(llm, [greedy(**values)])
     assert got["prefix_len"].dtype == torch.int64 and got["prefix_len"].item() == prefix_len
     assert got["sharpness"].dtype == torch.float32 and got["sharpness"].item() == sharpness
     with pytest.raises(ValueError, match="'prefix_len'.*`prefix_len: float`"):
-        llm.llm_engine.validate_attention_params({**values, "prefix_len": float(prefix_len)})
+        llm.llm_engine.inputs.validate_attention_params({**values, "prefix_len": float(prefix_len)})
 
 
 def test_missing_or_bad_parameter_is_rejected_before_anything_is_allocated():
@@ -363,7 +363,7 @@ def test_look_ahead_masks_are_never_chunked():
     whole = LLM(mask_mod="bidirectional", max_num_batched_tokens=256, enforce_eager=True)
     expected = [o.outputs[0].token_ids for o in whole.generate(prompts, greedy, use_tqdm=False)]
     # room for the first prompt and 3 tokens more: a chunking scheduler would split the second prompt
-    budget = len(whole.llm_engine.tokenize(prompts[0])[1]) + 3
+    budget = len(whole.llm_engine.inputs.tokenize(prompts[0])[1]) + 3
     small = LLM(mask_mod="bidirectional", max_num_batched_tokens=budget, enforce_eager=True)
     got = [o.outputs[0].token_ids for o in small.generate(prompts, greedy, use_tqdm=False)]
     assert got == expected
