@@ -63,44 +63,56 @@ def test_adjust_matches_the_plain_formulas(rows, seed):
                      max_size=5),
        steps=st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True),
                                 st.lists(st.integers(0, 2), min_size=5, max_size=5),
-                                st.lists(st.integers(0, V - 1), min_size=5, max_size=5), st.booleans()),
+                                st.lists(st.integers(0, V - 1), min_size=5, max_size=5), st.booleans(),
+                                st.integers(0, 3)),
                       min_size=1, max_size=8),
        slots=st.integers(3, 5), seed=st.integers(0, 1000))
-def test_histories_kept_on_the_device_follow_a_schedule(rows, steps, slots, seed):
+def test_histories_kept_on_the_device_follow_a_schedule(rows, steps, slots, seed, monkeypatch):
     """Over steps whose batches change (sequences join, leave, come back, outnumber the slots), gain 0-2
     tokens or a PENDING one whose value only the device has, the adjusted logits equal the plain formulas
-    over each whole history. Nothing in a step makes the host wait for the device (it prepares these while
-    the GPU runs the forward)."""
+    over each whole history. After a step, the same batch may run on `repeats` times with one PENDING token
+    a row (async decode's steady state): those steps take the device-only path (PenaltyHistories.moved_on),
+    and give the same. Nothing in a step makes the host wait for the device (it prepares these while the GPU
+    runs the forward)."""
+    from flexengine.engine.logits_adjust import PenaltyHistories, has_penalties
     seqs = []
     for i, (p, prompt) in enumerate(rows):
         seq = Sequence(request_id=str(i), index=0, token_ids=list(prompt), num_prompt_tokens=len(prompt), params=p)
         seq.min_tokens_stops = frozenset(p.stop_token_ids)
         seqs.append(seq)
     adjuster = LogitsAdjuster(V, "cpu", slots)
+    moved_on, expected = [], 0
+    monkeypatch.setattr(PenaltyHistories, "moved_on", lambda self, *a, _f=PenaltyHistories.moved_on: moved_on.append(1)
+                        or _f(self, *a))
     gen = torch.Generator().manual_seed(seed)
-    for picked, grow, values, wait in steps:
+    for picked, grow, values, wait, repeats in steps:
         batch = [seqs[i] for i in picked if i < len(seqs)][:slots]
-        truth = {}  # row → the value of its PENDING token
-        for row, seq in enumerate(batch):
-            seq.token_ids += [values[(row + j) % 5] for j in range(grow[row])]
-            if wait:
-                seq.token_ids.append(PENDING)
-                seq.num_pending, truth[row] = 1, values[row]
-        pending = None
-        if truth:
-            ids = torch.tensor([truth[r] for r in sorted(truth)])
-            pending = (None, ids) if len(truth) == len(batch) and seed % 2 else (torch.tensor(sorted(truth)), ids)
-        logits = torch.randn(len(batch), V, generator=gen)
-        with no_device_syncs():
-            adjust = adjuster(batch, pending)
-            got = logits if adjust is None else apply_adjust(logits, adjust)
-        for row, seq in enumerate(batch):  # the step's output arrives: PENDING becomes its value
-            if row in truth:
-                seq.token_ids[-1], seq.num_pending = truth[row], 0
-            p = seq.params
-            prompt, output = seq.token_ids[:seq.num_prompt_tokens], seq.token_ids[seq.num_prompt_tokens:]
-            want = plain_adjust(logits[row].tolist(), prompt, output, p, set(p.stop_token_ids))
-            assert got[row].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5), (row, seq.token_ids)
+        for k in range(1 + repeats):
+            if k:  # the same batch, one PENDING token on
+                grow, wait, values = [0] * 5, True, values[1:] + values[:1]
+                expected += any(has_penalties(s.params) for s in batch)
+            truth = {}  # row → the value of its PENDING token
+            for row, seq in enumerate(batch):
+                seq.token_ids += [values[(row + j) % 5] for j in range(grow[row])]
+                if wait:
+                    seq.token_ids.append(PENDING)
+                    seq.num_pending, truth[row] = 1, values[row]
+            pending = None
+            if truth:
+                ids = torch.tensor([truth[r] for r in sorted(truth)])
+                pending = (None, ids) if len(truth) == len(batch) and seed % 2 else (torch.tensor(sorted(truth)), ids)
+            logits = torch.randn(len(batch), V, generator=gen)
+            with no_device_syncs():
+                adjust = adjuster(batch, pending)
+                got = logits if adjust is None else apply_adjust(logits, adjust)
+            for row, seq in enumerate(batch):  # the step's output arrives: PENDING becomes its value
+                if row in truth:
+                    seq.token_ids[-1], seq.num_pending = truth[row], 0
+                p = seq.params
+                prompt, output = seq.token_ids[:seq.num_prompt_tokens], seq.token_ids[seq.num_prompt_tokens:]
+                want = plain_adjust(logits[row].tolist(), prompt, output, p, set(p.stop_token_ids))
+                assert got[row].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5), (row, seq.token_ids)
+    assert len(moved_on) >= expected  # every repeat (and an original step that happens to be one)
 
 
 @pytest.fixture(scope="module")

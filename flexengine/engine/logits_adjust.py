@@ -34,6 +34,9 @@ class PenaltyHistories:
         self.hist_SC = torch.zeros(num_slots, 0, dtype=torch.int64, device=self.device)
         self.slot_of: dict[int, int] = {}    # seq_id → slot
         self.written: dict[int, int] = {}    # seq_id → how many of its token ids its slot holds
+        # the last update's (seq ids, step rows, its rows on the device, slots, prompt lengths, lengths, longest):
+        # a step whose rows each gained just the PENDING token in flight writes it on the device (moved_on)
+        self.last: tuple | None = None
 
     def grow(self, capacity: int) -> None:
         old = self.hist_SC
@@ -63,6 +66,10 @@ class PenaltyHistories:
         """Write what these sequences (rows `batch_rows` of a step of `num_rows`) gained since the last step;
         returns (slots, prompt lengths, lengths), each [P] on the device, and the longest length. pending:
         (rows or None, values) of the step's PENDING tokens, or None."""
+        ids = [s.seq_id for s in seqs]
+        if self.last is not None and self.last[0] == ids and self.last[1] == batch_rows and all(
+                len(s.token_ids) == self.written[s.seq_id] + 1 and s.token_ids[-1] == PENDING for s in seqs):
+            return self.moved_on(seqs, pending, num_rows)
         slots = self.assign(seqs)
         longest = max(len(s.token_ids) for s in seqs)
         self.grow(longest)
@@ -80,16 +87,16 @@ class PenaltyHistories:
                     known.append((slot, col, t))
             self.written[s.seq_id] = n
         P, F, K, W = len(seqs), len(fills), len(known), len(waiting)
-        packed = np.concatenate([np.asarray([slots, [s.num_prompt_tokens for s in seqs], [len(s.token_ids) for s in seqs]],
-                                            dtype=np.int64).ravel(),
+        packed = np.concatenate([np.asarray([slots, [s.num_prompt_tokens for s in seqs], [len(s.token_ids) for s in seqs],
+                                             batch_rows], dtype=np.int64).ravel(),
                                  np.asarray(fills, dtype=np.int64).reshape(F, 2).T.ravel(),
                                  np.asarray(known, dtype=np.int64).reshape(K, 3).T.ravel(),
                                  np.asarray(waiting, dtype=np.int64).reshape(W, 3).T.ravel()])
         # One transfer for all of it, and indexing by positions only: a boolean mask would make the host
         # wait for the device, which is still running the step's forward.
         dev = to_device(packed, self.device)
-        slots_P, prompt_lens_P, lengths_P = dev[:3 * P].view(3, P)
-        fills, known, waiting = dev[3 * P:].split([2 * F, 3 * K, 3 * W])
+        slots_P, prompt_lens_P, lengths_P, rows_P = dev[:4 * P].view(4, P)
+        fills, known, waiting = dev[4 * P:].split([2 * F, 3 * K, 3 * W])
         fills_2F, known_3K, waiting_3W = fills.view(2, F), known.view(3, K), waiting.view(3, W)
         if F:  # new slots first, then their tokens
             self.hist_SC[fills_2F[0]] = fills_2F[1][:, None]
@@ -98,7 +105,21 @@ class PenaltyHistories:
         if W:
             row, slot, col = waiting_3W
             self.hist_SC[slot, col] = pending_values(pending, row, num_rows)
+        self.last = (ids, list(batch_rows), rows_P, slots_P, prompt_lens_P, lengths_P, longest)
         return slots_P, prompt_lens_P, lengths_P, longest
+
+    def moved_on(self, seqs: list[Sequence], pending, num_rows: int):
+        """update() for the steady state of async decode: the last step's rows, each one PENDING token on. The
+        tokens are written from the device and the lengths advance there: no host loop over the histories,
+        no copy (a tenth of the host's per-step time with 256 penalised rows on the development CPU)."""
+        ids, batch_rows, rows_P, slots_P, prompt_lens_P, lengths_P, longest = self.last
+        for s in seqs:
+            self.written[s.seq_id] += 1
+        self.grow(longest + 1)
+        self.hist_SC[slots_P, lengths_P] = pending_values(pending, rows_P, num_rows)
+        lengths_P = lengths_P + 1  # a new tensor: the step in flight may still read the last one
+        self.last = (ids, batch_rows, rows_P, slots_P, prompt_lens_P, lengths_P, longest + 1)
+        return slots_P, prompt_lens_P, lengths_P, longest + 1
 
 
 def pending_values(pending, rows: torch.Tensor, num_rows: int) -> torch.Tensor:

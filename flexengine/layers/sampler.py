@@ -48,8 +48,10 @@ class LogitsAdjust:
     presence: torch.Tensor | None = None     # float32 [P]
 
 
-def apply_adjust(logits: torch.Tensor, a: LogitsAdjust) -> torch.Tensor:
-    logits = logits.clone()
+def apply_adjust(logits: torch.Tensor, a: LogitsAdjust, in_place: bool = False) -> torch.Tensor:
+    """The adjusted logits; `in_place` writes them into `logits` (no [N, V] copy) where nothing reads the raw ones."""
+    if not in_place:
+        logits = logits.clone()
     if a.banned is not None:
         logits[a.banned] = float("-inf")
     if a.bias is not None:
@@ -173,9 +175,9 @@ class Sampler:
         """logits float32 [N, V] → one token per row."""
         if t.token_mask is not None:
             logits = apply_token_mask(logits, t.token_mask.rows, t.token_mask.bitmask, t.token_mask.vocab_size)
-        raw = logits
+        raw = logits  # logprobs are the model's own (vLLM's raw_logprobs), before the adjustments
         if t.adjust is not None:
-            logits = apply_adjust(logits, t.adjust)
+            logits = apply_adjust(logits, t.adjust, in_place=t.num_logprobs < 0)
         greedy_ids = logits.argmax(-1)
         if t.all_greedy:
             ids = greedy_ids
