@@ -313,12 +313,18 @@ def test_compiled_layer_regions_match_eager(num_tokens):
     attn = layer.self_attn.attn
     caches = [allocate_kv_cache(1, 4096, 16, attn.num_kv_heads, attn.head_dim, x.dtype, "cpu")[0] for _ in range(2)]
     slots = torch.randperm(4096 * 16, generator=g)[:num_tokens]
-    expected = (layer.attention_inputs.eager(layer, x, cos, sin, *caches[0], slots), *caches[0],
-                layer.attention_output_and_mlp.eager(layer, x, o))
+    deltas = tuple(torch.randn(num_tokens, spec.hidden_size, generator=g) for _ in range(2))  # the last layer's
+    expected = (*layer.attention_inputs.eager(layer, x, *deltas, cos, sin, *caches[0], slots), *caches[0],
+                *layer.attention_output_and_mlp.eager(layer, x, o))
+    # the regions against the layer written plainly: the stream sums the last layer's two additions
+    stream = x + deltas[0] + deltas[1]
+    h = layer.self_attn.out(o)
+    torch.testing.assert_close(expected[1], stream)
+    torch.testing.assert_close(expected[4:], (h, layer.mlp(layer.post_attention_layernorm(x + h))))
     set_fused_elementwise(True)
     try:
-        q, code = run_and_get_code(layer.attention_inputs, x, cos, sin, *caches[1], slots)
-        got = (q, *caches[1], layer.attention_output_and_mlp(x, o))
+        (q, s), code = run_and_get_code(layer.attention_inputs, x, *deltas, cos, sin, *caches[1], slots)
+        got = (q, s, *caches[1], *layer.attention_output_and_mlp(x, o))
     finally:
         set_fused_elementwise(False)
     for a, b in zip(got, expected):  # fp32; Inductor reorders the reductions a little

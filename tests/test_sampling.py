@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flexengine import LLM, SamplingParams
 from flexengine.layers.sampler import Sampler, SamplingTensors, compute_logprobs
@@ -258,3 +260,17 @@ def test_sampling_inputs_and_the_sampler_never_wait_for_the_device(async_schedul
     outs = llm.generate(["one", "two", "three"], params)
     assert [len(o.outputs[0].token_ids) for o in outs][:2] == [8, 6]
     assert len(calls) >= 2 * 7 and score in calls and outs[1].prompt_logprobs[1] is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 40), chunk=st.sampled_from([1, 3, 7, 16]), parts=st.sampled_from([1, 16, 32, 256]),
+       values=st.lists(st.sampled_from([0.0, 1.0, 2.0, float("-inf"), float("inf"), float("nan")]), min_size=1,
+                       max_size=4), seed=st.integers(0, 2 ** 16))
+def test_row_argmax_is_argmax_ties_and_nan_included(rows, chunk, parts, values, seed):
+    """The two-pass argmax of small batches gives torch.argmax's index (the first maximum; NaN the maximum), on
+    rows drawn from a few values so that ties across chunks are common."""
+    from flexengine.layers.sampler import row_argmax
+    g = torch.Generator().manual_seed(seed)
+    V = chunk * parts
+    x = torch.tensor(values)[torch.randint(len(values), (rows, V), generator=g)]
+    assert torch.equal(row_argmax(x), x.argmax(-1))

@@ -167,6 +167,20 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, comp
     return chosen, rank, top.indices, top.values.float() - lse
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for [N, V], in two passes where N is small: CUDA's reduction gives each output row one block,
+    so one row of a 128k vocabulary took 28 µs on the H100 (session 18's batch-1 profile). Each of S chunks
+    first gives its first maximum, then the first chunk holding the row's maximum wins: the first maximal
+    index, as argmax gives it (NaN counts as the maximum in both)."""
+    N, V = x.shape
+    S = next((s for s in (256, 128, 64, 32, 16) if V % s == 0), 1)
+    if N >= 32 or S == 1:
+        return x.argmax(-1)
+    best, where = x.view(N, S, V // S).max(-1)  # [N, S]
+    chunk = best.argmax(-1, keepdim=True)
+    return (chunk * (V // S) + where.gather(1, chunk)).squeeze(1)
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator  # for rows without their own seed
@@ -178,7 +192,7 @@ class Sampler:
         raw = logits  # logprobs are the model's own (vLLM's raw_logprobs), before the adjustments
         if t.adjust is not None:
             logits = apply_adjust(logits, t.adjust, in_place=t.num_logprobs < 0)
-        greedy_ids = logits.argmax(-1)
+        greedy_ids = row_argmax(logits)
         if t.all_greedy:
             ids = greedy_ids
         else:
@@ -189,7 +203,7 @@ class Sampler:
                 x = apply_top_k_top_p(x, t.top_k, t.top_p)
             probs = x.softmax(-1)
             q = exponential_noise(probs.shape, probs.device, t.generators, self.generator)
-            sampled = (probs / q.clamp_min(1e-20)).argmax(-1)
+            sampled = row_argmax(probs / q.clamp_min(1e-20))
             ids = torch.where(t.temperature > 0, sampled, greedy_ids)
         out = SamplerOutput(token_ids=ids)
         if t.num_logprobs >= 0:

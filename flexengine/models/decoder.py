@@ -125,28 +125,36 @@ class DecoderLayer(nn.Module):
 
     # The layer's work on either side of attention is two compiled regions on the CUDA engine (one
     # Inductor graph each, dynamic in T, shared by every layer); paged attention stays between them.
+    # The residual stream crosses layers un-summed: a layer hands on the stream as it entered plus its two
+    # additions (attention's and the MLP's), and the next layer adds them inside its first norm's kernel. A
+    # sum that ended a region would be stored by a kernel of its own (or, on one GPU, by cuBLAS's addmm and
+    # a copy launch), one or two launches a layer at batch 1, where every launch costs about 1 µs of gap.
     @fused
-    def attention_inputs(self, x, cos, sin, k_cache, v_cache, slot_mapping):
-        """The queries; the step's new K/V go into the paged cache here, so that Inductor stores them from
-        the rotary kernel instead of two copy launches after it (the caches are separate tensors for this:
-        attention/kv_cache.py)."""
+    def attention_inputs(self, x, attn_delta, mlp_delta, cos, sin, k_cache, v_cache, slot_mapping):
+        """→ (the queries, the residual stream): x plus the last layer's additions (None in the first layer).
+        The step's new K/V go into the paged cache here, so that Inductor stores them from the rotary kernel
+        instead of two copy launches after it (the caches are separate tensors for this: attention/kv_cache.py)."""
+        if attn_delta is not None:
+            x = x + attn_delta + mlp_delta
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         write_kv(k_cache, v_cache, k, v, slot_mapping)
-        return q
+        return q, x
 
     @fused
     def attention_output_and_mlp(self, x, o):
+        """→ (attention's addition to the residual stream x, the MLP's): the next layer or the final norm adds
+        them. x + attention's addition is consumed by the norm alone, so Inductor keeps it in that kernel."""
         h = self.self_attn.out(o)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+            h = self.post_attention_layernorm(h)
+            return h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x + h)))
+        return h, self.mlp(self.post_attention_layernorm(x + h))
 
-    def forward(self, x, cos, sin, meta):
+    def forward(self, x, deltas, cos, sin, meta):
+        """(residual stream, the last layer's additions or (None, None)) → the same for the next layer."""
         attn = self.self_attn.attn
-        q = self.attention_inputs(x, cos, sin, attn.k_cache, attn.v_cache, meta.slot_mapping)
-        return self.attention_output_and_mlp(x, attn.attend(q, meta))
+        q, x = self.attention_inputs(x, *deltas, cos, sin, attn.k_cache, attn.v_cache, meta.slot_mapping)
+        return x, self.attention_output_and_mlp(x, attn.attend(q, meta))
 
 
 def make_attention_layers(spec: DecoderSpec) -> list[Attention]:
@@ -198,10 +206,15 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
+        deltas = (None, None)
         for layer in self.layers:
             cos, sin = rope[self.rope_key[layer.layer_type]]
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)
+            x, deltas = layer(x, deltas, cos, sin, meta)
+        return self.final_norm(x, *deltas)
+
+    @fused
+    def final_norm(self, x, attn_delta, mlp_delta):
+        return self.norm(x + attn_delta + mlp_delta)
 
 
 class DecoderForCausalLM(nn.Module):
