@@ -10,6 +10,7 @@ dtypes) is part of its key.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from ..attention.metadata import AttentionMetadata, build_metadata, build_phys_to_logical
 from ..attention.layout import choose_decode_splits, plan_layout
 from ..attention.staging import to_device
-from .policy import decode_buckets
+from .policy import configure_dynamo, decode_buckets
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,17 @@ class DecodeBuffers:
 
 
 def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
-    """Everything in a decode step's metadata that depends on lengths and tables, as device ops."""
-    refresh_decode_positions(meta)
+    """Everything in a decode step's metadata that depends on lengths and tables, as device ops (on CUDA the
+    positions through Inductor, as the page lists in backend.prepare: a few kernels, not a launch per op)."""
+    (_compiled_positions() if meta.block_tables.is_cuda else refresh_decode_positions)(meta)
     meta.backend_state = {}
     backend.prepare(meta, mods)
+
+
+@functools.cache
+def _compiled_positions():
+    configure_dynamo()
+    return torch.compile(refresh_decode_positions, dynamic=True, fullgraph=True)
 
 
 def refresh_decode_positions(meta: AttentionMetadata) -> None:

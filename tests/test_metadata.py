@@ -203,3 +203,39 @@ def test_decode_splits_env_caps_the_splits_and_refuses_nonsense(monkeypatch):
         monkeypatch.setenv("FLEXENGINE_DECODE_SPLITS", value)
         with pytest.raises(ValueError, match="FLEXENGINE_DECODE_SPLITS must be a positive integer"):
             env_decode_splits()
+
+
+def test_compiled_decode_lists_equal_eager_across_buckets():
+    """The decode page lists through Inductor (as the CUDA engine's decode graphs build them, here on the CPU)
+    equal the eager ones for every built-in mask, over buckets of 1-32 rows with 1-32 splits each, and one
+    dynamic graph serves them (a recompile per bucket would cost start-up and could reach dynamo's limit)."""
+    from flexengine.attention.backends.flex import decode_lists
+    from flexengine.compile import compile_count
+    from flexengine.compile import configure_dynamo
+    from flexengine.compile.cuda_graphs import refresh_decode_positions
+    torch._dynamo.reset()
+    configure_dynamo()  # as the engine: a limit that raises
+    lists = torch.compile(decode_lists, dynamic=True, fullgraph=True)
+    positions = torch.compile(refresh_decode_positions, dynamic=True, fullgraph=True)
+    rng, P, NB = random.Random(0), 16, 64
+    for case in (CASE_LIST[0], CASE_LIST[2], CASE_LIST[-1]):  # causal, a window, a mask with no bounds (C++ compiles
+        mask = masks.get_mask_mod(case[0])                     # take seconds each on the CPU)
+        before = compile_count()
+        for bs, splits in [(1, 32), (2, 16), (4, 8), (8, 4), (16, 2), (32, 1), (3, 5)]:
+            seq_lens = [rng.randint(1, 200) for _ in range(bs)]
+            tables = torch.tensor([rng.sample(range(NB), 13) for _ in range(bs)], dtype=torch.int32)
+            layout = plan_layout([1] * bs, seq_lens, decode_splits=splits, block_size=P)
+            metas = [build_metadata(tables, torch.tensor(seq_lens, dtype=torch.int32), torch.empty(0, dtype=torch.long),
+                                    layout, P, NB) for _ in range(2)]
+            for m in metas:  # stale positions: the refresh must rewrite them
+                m.span_q_lo.fill_(-5), m.span_q_hi.fill_(-5), m.phys_to_logical.fill_(7)
+            refresh_decode_positions(metas[0])
+            positions(metas[1])
+            for name in ("phys_to_logical", "span_q_lo", "span_q_hi"):
+                assert torch.equal(getattr(metas[0], name), getattr(metas[1], name)), (case[0], bs, name)
+            want, got = decode_lists(metas[0], mask, [], NB), lists(metas[1], mask, [], NB)
+            for a, b in zip(want, got):
+                assert torch.equal(a, b), (case[0], bs, splits)
+        # a graph for one row (dynamo specialises size 1), one for split rows, one for unsplit ones; the positions'
+        # few graphs come with the first mask
+        assert compile_count() - before <= (3 if case is not CASE_LIST[0] else 6), (case[0], compile_count() - before)

@@ -157,10 +157,10 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
     dec = pre = None
     if Bd:
         M = meta.num_blocks
-        kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, values)
+        lists = _compiled_decode_lists() if listed_only else decode_lists  # (listed_only: compiled, on CUDA)
+        kv_num, kv_idx, full_num, full_idx = lists(meta, mask_mod, values, M)
         dec = BlockMask.from_kv_blocks(
-            kv_num.view(Bd, 1, 1), _pool_wide(kv_idx, M).view(Bd, 1, 1, M),
-            full_num.view(Bd, 1, 1), _pool_wide(full_idx, M).view(Bd, 1, 1, M),
+            kv_num.view(Bd, 1, 1), kv_idx.view(Bd, 1, 1, M), full_num.view(Bd, 1, 1), full_idx.view(Bd, 1, 1, M),
             BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, True, listed_only),
             seq_lengths=(1, M * P), compute_q_blocks=False)
     if Tp:
@@ -173,6 +173,21 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
             BLOCK_SIZE=(Q_TILE, KV_TILE), mask_mod=paged_mask(meta, mask_mod, False, listed_only, workspace=True),
             seq_lengths=(Tp * Q_TILE, kv_len), compute_q_blocks=False)
     return dec, pre
+
+
+def decode_lists(meta: AttentionMetadata, mask_mod, values: list[torch.Tensor], num_blocks: int):
+    """The decode BlockMask's four tensors: page_lists, the lists widened to the pool."""
+    kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, values)
+    return kv_num, _pool_wide(kv_idx, num_blocks), full_num, _pool_wide(full_idx, num_blocks)
+
+
+@functools.cache
+def _compiled_decode_lists():
+    # One Inductor graph for the ~40 small integer ops of the lists, which a decode CUDA graph otherwise replays
+    # as as many kernels every step (at batch 1 each costs its run plus ~1 µs of launch gap: docs/benchmarks.md,
+    # session 18). Dynamic shapes: the buckets share it.
+    configure_dynamo()
+    return torch.compile(decode_lists, dynamic=True, fullgraph=True)
 
 
 @functools.cache
