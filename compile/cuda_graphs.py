@@ -62,12 +62,17 @@ class DecodeBuffers:
     def advance(self, token_ids: torch.Tensor, block_size: int) -> None:
         """On the device: rows 0..n-1 move one token on, fed `token_ids` (the last step's samples)."""
         n = token_ids.shape[0]
-        self.input_ids[:n].copy_(token_ids)
-        self.positions[:n] += 1
-        self.seq_lens[:n] += 1
-        pos = self.positions[:n]
-        page = self.block_tables[:n].gather(1, (pos // block_size)[:, None]).squeeze(1)
-        self.slot_mapping[:n] = page.long() * block_size + pos % block_size
+        (_compiled_advance() if token_ids.is_cuda else advance_rows)(
+            token_ids, self.input_ids[:n], self.positions[:n], self.seq_lens[:n], self.block_tables[:n],
+            self.slot_mapping[:n], block_size)
+
+
+def advance_rows(token_ids, input_ids, positions, seq_lens, block_tables, slot_mapping, block_size: int) -> None:
+    input_ids.copy_(token_ids)
+    positions += 1
+    seq_lens += 1
+    page = block_tables.gather(1, (positions // block_size)[:, None]).squeeze(1)
+    slot_mapping.copy_(page.long() * block_size + positions % block_size)
 
 
 def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
@@ -76,6 +81,13 @@ def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
     (_compiled_positions() if meta.block_tables.is_cuda else refresh_decode_positions)(meta)
     meta.backend_state = {}
     backend.prepare(meta, mods)
+
+
+@functools.cache
+def _compiled_advance():
+    # on CUDA a kernel or two between the decode graphs' replays, not eight launches; compiled by capture_all
+    configure_dynamo()
+    return torch.compile(advance_rows, dynamic=True, fullgraph=True)
 
 
 @functools.cache
@@ -166,6 +178,8 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self.pool = torch.cuda.graph_pool_handle()
+        for n in {1, min(2, max(self.buckets))}:  # compile the buffers' advance now (one row; several), not mid-serving
+            self.bufs.advance(self.bufs.input_ids[:n].clone(), self.block_size)
         for bs in sorted(self.buckets, reverse=True):
             self.step(bs)  # compile and autotune outside the capture
             torch.cuda.synchronize(self.device)

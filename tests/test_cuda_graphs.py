@@ -404,3 +404,39 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines):
     llm.generate(prompts, params, use_tqdm=False)
     assert set(met) <= keys, "traffic met a layout start-up did not capture"
     assert len(set(met)) >= 4  # several decode buckets beside prompts
+
+
+def test_compiled_advance_and_rotary_tables_equal_eager():
+    """What the CUDA engine now runs through Inductor between and inside the decode graphs (here Inductor on the
+    CPU): the buffers' advance by one token (one dynamic graph for one row, one for several) and rotary's cos/sin
+    (one kernel a step) give what the eager code gives."""
+    from flexengine.compile import compile_count, configure_dynamo, reset_fused, set_fused_elementwise
+    from flexengine.compile.cuda_graphs import advance_rows
+    from flexengine.layers.rotary import cos_sin, default_inv_freq
+    torch._dynamo.reset()
+    configure_dynamo()
+    compiled = torch.compile(advance_rows, dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    before = compile_count()
+    for n in (1, 2, 5, 9):
+        tables = torch.randint(0, 50, (n, 6), generator=g, dtype=torch.int32)
+        state = [torch.randint(0, 90, (n,), generator=g), torch.randint(0, 90, (n,), generator=g),
+                 torch.randint(1, 90, (n,), generator=g, dtype=torch.int32), tables, torch.zeros(n, dtype=torch.long)]
+        tokens = torch.randint(0, 1000, (n,), generator=g)
+        want, got = [t.clone() for t in state], [t.clone() for t in state]
+        advance_rows(tokens, *want, 16)
+        compiled(tokens, *got, 16)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), n
+        assert torch.equal(want[0], tokens) and torch.equal(want[1], state[1] + 1)
+    assert compile_count() - before <= 2
+    reset_fused()
+    positions, inv_freq = torch.arange(0, 3000, 37), default_inv_freq(64, 500000.0)
+    expected = cos_sin.eager(positions, inv_freq, torch.bfloat16)
+    set_fused_elementwise(True)
+    try:
+        got = cos_sin(positions, inv_freq, torch.bfloat16)
+    finally:
+        set_fused_elementwise(False)
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape == (len(positions), 1, 32) and a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, atol=2 ** -7, rtol=0)  # Inductor's sin/cos: a bf16 ulp apart at most
