@@ -116,13 +116,19 @@ def capture_mixed_graphs(runner) -> int:
     return len(graphs.graphs) - before
 
 
+def logits_width(runner) -> int:
+    """The logits' last dimension (the vocabulary, as padded by the model's lm_head)."""
+    with torch.inference_mode():
+        return runner.model.compute_logits(torch.zeros(1, runner.model.spec.hidden_size, dtype=runner.dtype,
+                                                       device=runner.device)).shape[-1]
+
+
 def warm_up_logprobs(runner) -> None:
     """Compile the prompt-logprob scoring (layers/sampler.token_logprobs on logits in the model dtype, dynamic
     in its rows) before a request asks: one graph serves every row count (compute_logprobs gives it two rows
     for one)."""
     from ..layers.sampler import compute_logprobs
-    width = runner.model.compute_logits(torch.zeros(1, runner.model.spec.hidden_size, dtype=runner.dtype,
-                                                    device=runner.device)).shape[-1]
+    width = logits_width(runner)
     with torch.inference_mode():
         compute_logprobs(torch.zeros(2, width, dtype=runner.dtype, device=runner.device),
                          torch.zeros(2, dtype=torch.long, device=runner.device), 1, runner.compiled)
@@ -133,6 +139,7 @@ def warm_up_steps(runner, decode: bool = False) -> float:
     scoring; returns the seconds."""
     start = time.perf_counter()
     warm_up_logprobs(runner)
+    runner.sampler.warm_up(logits_width(runner), runner.device)
     for b in prefill_buckets(runner):
         lengths = prompt_lengths(runner, b)
         if lengths is not None:  # (None: no step can pad to this bucket)
@@ -151,6 +158,7 @@ def warm_up_unpadded(runner) -> float:
     Returns the seconds."""
     start = time.perf_counter()
     warm_up_logprobs(runner)
+    runner.sampler.warm_up(logits_width(runner), runner.device)
     dummy_step(runner, 1, 1)              # T = 1
     dummy_step(runner, 2, 2)              # T >= 2, whole prompts (no paging)
     dummy_step(runner, 3, 1, cached=1)    # decode rows over a cached prefix: the paged kernel

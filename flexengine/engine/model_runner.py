@@ -131,7 +131,7 @@ class ModelRunner:
                                            self.device)
             self.workspace_tokens = self.backend.workspace_pages * self.block_size
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.sampler = Sampler(self.generator)
+        self.sampler = Sampler(self.generator, self.compiled)
 
         self.num_blocks = config.num_kv_blocks or agree_on_min(measure_num_blocks(self), self.tp)
         self.max_model_len = choose_max_model_len(config, self.hf_config, self.num_blocks)

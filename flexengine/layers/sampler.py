@@ -174,16 +174,33 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     index, as argmax gives it (NaN counts as the maximum in both)."""
     N, V = x.shape
     S = next((s for s in (256, 128, 64, 32, 16) if V % s == 0), 1)
-    if N >= 32 or S == 1:
+    if S == 1 or (not torch.compiler.is_compiling() and N >= 32):  # (traced: one graph for every N, no guard on N)
         return x.argmax(-1)
     best, where = x.view(N, S, V // S).max(-1)  # [N, S]
     chunk = best.argmax(-1, keepdim=True)
     return (chunk * (V // S) + where.gather(1, chunk)).squeeze(1)
 
 
+@fused
+def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Rows with temperature > 0: the Gumbel-max draw argmax(softmax(logits / T) / q); the others: greedy. Compiled
+    (the CUDA engine), the passes over [N, V] fuse into a few kernels instead of eight launches."""
+    greedy = row_argmax(logits)
+    sampled = row_argmax(apply_temperature(logits, temperature).softmax(-1) / q.clamp_min(1e-20))
+    return torch.where(temperature > 0, sampled, greedy)
+
+
 class Sampler:
-    def __init__(self, generator: torch.Generator | None = None):
+    def __init__(self, generator: torch.Generator | None = None, compiled: bool = False):
         self.generator = generator  # for rows without their own seed
+        self.compiled = compiled    # temperature_sample through Inductor (warm_up compiles it at start-up)
+
+    def warm_up(self, vocab_size: int, device) -> None:
+        """Compile temperature_sample for one row and for several (dynamo specialises a size of 1)."""
+        with torch.inference_mode(), fused_elementwise(self.compiled):
+            for n in (1, 2):
+                temperature_sample(torch.zeros(n, vocab_size, device=device), torch.ones(n, device=device),
+                                   torch.ones(n, vocab_size, device=device))
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits float32 [N, V] → one token per row."""
@@ -192,19 +209,21 @@ class Sampler:
         raw = logits  # logprobs are the model's own (vLLM's raw_logprobs), before the adjustments
         if t.adjust is not None:
             logits = apply_adjust(logits, t.adjust, in_place=t.num_logprobs < 0)
-        greedy_ids = row_argmax(logits)
         if t.all_greedy:
-            ids = greedy_ids
+            ids = row_argmax(logits)
+        elif t.min_p is None and t.top_k is None and t.top_p is None:
+            q = exponential_noise(logits.shape, logits.device, t.generators, self.generator)
+            with fused_elementwise(self.compiled):
+                ids = temperature_sample(logits, t.temperature, q)
         else:
             x = apply_temperature(logits, t.temperature)
             if t.min_p is not None:
                 x = apply_min_p(x, t.min_p)
             if t.top_k is not None or t.top_p is not None:
                 x = apply_top_k_top_p(x, t.top_k, t.top_p)
-            probs = x.softmax(-1)
-            q = exponential_noise(probs.shape, probs.device, t.generators, self.generator)
-            sampled = row_argmax(probs / q.clamp_min(1e-20))
-            ids = torch.where(t.temperature > 0, sampled, greedy_ids)
+            q = exponential_noise(x.shape, x.device, t.generators, self.generator)
+            sampled = row_argmax(x.softmax(-1) / q.clamp_min(1e-20))
+            ids = torch.where(t.temperature > 0, sampled, row_argmax(logits))
         out = SamplerOutput(token_ids=ids)
         if t.num_logprobs >= 0:
             out.logprob, out.rank, out.top_ids, out.top_logprobs = compute_logprobs(raw, ids, t.num_logprobs)
