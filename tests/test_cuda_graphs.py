@@ -406,10 +406,11 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines):
     assert len(set(met)) >= 4  # several decode buckets beside prompts
 
 
-def test_compiled_advance_and_rotary_tables_equal_eager():
+def test_compiled_advance_and_rotary_tables_equal_eager(monkeypatch, tmp_path):
     """What the CUDA engine now runs through Inductor between and inside the decode graphs (here Inductor on the
     CPU): the buffers' advance by one token (one dynamic graph for one row, one for several) and rotary's cos/sin
     (one kernel a step) give what the eager code gives."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cached graph brings its old guards
     from flexengine.compile import compile_count, configure_dynamo, reset_fused, set_fused_elementwise
     from flexengine.compile.cuda_graphs import advance_rows
     from flexengine.layers.rotary import cos_sin, default_inv_freq

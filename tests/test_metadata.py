@@ -205,10 +205,11 @@ def test_decode_splits_env_caps_the_splits_and_refuses_nonsense(monkeypatch):
             env_decode_splits()
 
 
-def test_compiled_decode_lists_equal_eager_across_buckets():
+def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path):
     """The decode page lists through Inductor (as the CUDA engine's decode graphs build them, here on the CPU)
     equal the eager ones for every built-in mask, over buckets of 1-32 rows with 1-32 splits each, and one
     dynamic graph serves them (a recompile per bucket would cost start-up and could reach dynamo's limit)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cached graph brings its old guards
     from flexengine.attention.backends.flex import decode_lists
     from flexengine.compile import compile_count
     from flexengine.compile import configure_dynamo

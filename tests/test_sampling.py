@@ -276,9 +276,10 @@ def test_row_argmax_is_argmax_ties_and_nan_included(rows, chunk, parts, values, 
     assert torch.equal(row_argmax(x), x.argmax(-1))
 
 
-def test_compiled_temperature_sample_equals_eager():
+def test_compiled_temperature_sample_equals_eager(monkeypatch, tmp_path):
     """temperature_sample as the CUDA engine runs it, through Inductor (here on the CPU), against the eager code on
     the same noise: greedy rows, sampled rows, one row and many, within two graphs (one row; any other count)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cached graph brings its old guards
     from flexengine.compile import compile_count, configure_dynamo, reset_fused, set_fused_elementwise
     from flexengine.layers.sampler import temperature_sample
     torch._dynamo.reset()
