@@ -103,14 +103,21 @@ def run_child(cmd: list[str], out: str, env: dict | None = None, grace_s: float 
 
 
 def compare(one: dict, many: dict) -> dict:
-    prompts = []
+    """Per prompt: identical or where the tokens part, and the largest chosen-token logprob difference up to
+    there; over every such position of every prompt, the median and 90th percentile difference (a fairer
+    yardstick than the maximum, which grows with how long the tokens stay together)."""
+    import statistics
+    prompts, diffs = [], []
     for a, b in zip(one["rows"], many["rows"]):
         parted = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
         upto = len(a["tokens"]) if parted is None else parted + 1  # the parting position's own logprob too
-        diff = max((abs(x - y) for x, y in zip(a["logprobs"][:upto], b["logprobs"][:upto])), default=0.0)
-        prompts.append(dict(identical=parted is None, parted_at=parted, max_logprob_diff=diff))
+        d = [abs(x - y) for x, y in zip(a["logprobs"][:upto], b["logprobs"][:upto])]
+        diffs += d
+        prompts.append(dict(identical=parted is None, parted_at=parted, max_logprob_diff=max(d, default=0.0)))
+    deciles = statistics.quantiles(diffs, n=10, method="inclusive") if len(diffs) > 1 else diffs * 9 or [0.0] * 9
     return dict(prompts=prompts, identical=sum(p["identical"] for p in prompts),
-                max_logprob_diff=max(p["max_logprob_diff"] for p in prompts))
+                max_logprob_diff=max(p["max_logprob_diff"] for p in prompts), positions=len(diffs),
+                median_logprob_diff=statistics.median(diffs) if diffs else 0.0, p90_logprob_diff=deciles[8])
 
 
 def parted(row: dict) -> str:
@@ -174,6 +181,9 @@ def main() -> int:
               f"| {'yes' if ref['identical'] else 'no'}, {parted(ref)}, {ref['max_logprob_diff']:.2e} |")
     print(f"identical: {report['identical']} of {args.num_prompts} (TP=1 alone against batched: {noise['identical']}); "
           f"largest logprob difference {report['max_logprob_diff']:.2e} (noise: {noise['max_logprob_diff']:.2e}); "
+          f"per position before the tokens part: median {report['median_logprob_diff']:.2e}, 90th percentile "
+          f"{report['p90_logprob_diff']:.2e} over {report['positions']} (noise: {noise['median_logprob_diff']:.2e}, "
+          f"{noise['p90_logprob_diff']:.2e} over {noise['positions']}); "
           f"graphs and compiles after warm-up: {report['graphs']}")
     if args.speed:
         a, b = one["speed"], many["speed"]
@@ -218,7 +228,8 @@ def report_variants(args, one: dict, variants: dict) -> dict:
             continue
         parity = compare(one, r)
         report[name] = dict(env=r["env"], identical=parity["identical"], max_logprob_diff=parity["max_logprob_diff"],
-                            speed=r["speed"], compiled_after_warm_up=r["compiled_after_warm_up"])
+                            median_logprob_diff=parity["median_logprob_diff"], speed=r["speed"],
+                            compiled_after_warm_up=r["compiled_after_warm_up"])
         speed = ("| | | | |" if not args.speed else
                  f"| {r['speed']['batch1_ms_per_token']:.3f} "
                  f"| {one['speed']['batch1_ms_per_token'] / r['speed']['batch1_ms_per_token']:.2f}x "

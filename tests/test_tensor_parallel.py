@@ -401,7 +401,8 @@ def test_the_parity_script_of_the_two_gpu_run(tmp_path_factory, tmp_path):
                     "--speed", "--speed-batch", "3", "--speed-len", "4"],
                    check=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
     report = json.loads(out.read_text())
-    assert report["identical"] == 2 and report["max_logprob_diff"] < 1e-4
+    assert report["identical"] == 2 and report["max_logprob_diff"] < 1e-4 and report["positions"] == 2 * 4
+    assert report["median_logprob_diff"] <= report["p90_logprob_diff"] <= report["max_logprob_diff"]
     assert len(report["noise"]["prompts"]) == 2 and report["noise"]["max_logprob_diff"] < 1e-4  # float32: no noise
     for size in ("1", "2"):  # the speed rows the GPU run reports, from the same engines
         speed = report["speed"][size]
