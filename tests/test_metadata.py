@@ -219,8 +219,12 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
     lists = torch.compile(decode_lists, dynamic=True, fullgraph=True)
     positions = torch.compile(refresh_decode_positions, dynamic=True, fullgraph=True)
     rng, P, NB = random.Random(0), 16, 64
-    for case in (CASE_LIST[0], CASE_LIST[2], CASE_LIST[-1]):  # causal, a window, a mask with no bounds (C++ compiles
-        mask = masks.get_mask_mod(case[0])                     # take seconds each on the CPU)
+    def per_request_prefix(b, h, q_idx, kv_idx, prefix_len):  # a mod reading a per-request parameter
+        return (kv_idx <= q_idx) | (kv_idx < prefix_len[b])
+
+    # causal, a window, a mask with no bounds, one with a parameter (C++ compiles take seconds each on the CPU)
+    for case in (CASE_LIST[0], CASE_LIST[2], CASE_LIST[-1], (per_request_prefix, None)):
+        mask = masks.get_mask_mod(case[0])
         before = compile_count()
         for bs, splits in [(1, 32), (2, 16), (4, 8), (8, 4), (16, 2), (32, 1), (3, 5)]:
             seq_lens = [rng.randint(1, 200) for _ in range(bs)]
@@ -234,7 +238,8 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
             positions(metas[1])
             for name in ("phys_to_logical", "span_q_lo", "span_q_hi"):
                 assert torch.equal(getattr(metas[0], name), getattr(metas[1], name)), (case[0], bs, name)
-            want, got = decode_lists(metas[0], mask, [], NB), lists(metas[1], mask, [], NB)
+            values = [torch.tensor([rng.randint(0, 60) for _ in range(bs)])] if case[1] is None else []
+            want, got = decode_lists(metas[0], mask, values, NB), lists(metas[1], mask, values, NB)
             for a, b in zip(want, got):
                 assert torch.equal(a, b), (case[0], bs, splits)
         # a graph for one row (dynamo specialises size 1), one for split rows, one for unsplit ones; the positions'
