@@ -10,7 +10,6 @@ dtypes) is part of its key.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import torch
 from ..attention.metadata import AttentionMetadata, build_metadata, build_phys_to_logical
 from ..attention.layout import choose_decode_splits, plan_layout
 from ..attention.staging import to_device
-from .policy import configure_dynamo, decode_buckets
+from .policy import compiled_on_first_use, decode_buckets
 
 
 @dataclass(frozen=True)
@@ -83,19 +82,6 @@ def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
     backend.prepare(meta, mods)
 
 
-@functools.cache
-def _compiled_advance():
-    # on CUDA a kernel or two between the decode graphs' replays, not eight launches; compiled by capture_all
-    configure_dynamo()
-    return torch.compile(advance_rows, dynamic=True, fullgraph=True)
-
-
-@functools.cache
-def _compiled_positions():
-    configure_dynamo()
-    return torch.compile(refresh_decode_positions, dynamic=True, fullgraph=True)
-
-
 def refresh_decode_positions(meta: AttentionMetadata) -> None:
     """The page map and each decode row's query position, from the lengths and tables in the buffers."""
     meta.phys_to_logical.copy_(build_phys_to_logical(meta.block_tables, meta.seq_lens, meta.block_size,
@@ -103,6 +89,12 @@ def refresh_decode_positions(meta: AttentionMetadata) -> None:
     q_pos = meta.seq_lens.long()[meta.span_req] - 1
     meta.span_q_lo.copy_(q_pos)
     meta.span_q_hi.copy_(q_pos)
+
+
+# On CUDA: a kernel or two each, not a launch per op (the advance between the decode graphs' replays, compiled by
+# capture_all; the positions and page map inside them).
+_compiled_advance = compiled_on_first_use(advance_rows)
+_compiled_positions = compiled_on_first_use(refresh_decode_positions)
 
 
 @contextlib.contextmanager

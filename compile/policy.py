@@ -123,3 +123,13 @@ def fused(fn):
     wrapper.eager, wrapper.compiled = fn, None
     _FUSED.append(wrapper)
     return wrapper
+
+
+def compiled_on_first_use(fn):
+    """→ a function returning torch.compile(fn, dynamic=True, fullgraph=True), made once, on its first call (the
+    device-side step helpers the CUDA engine runs through Inductor, whatever the `fused` setting)."""
+    @functools.cache
+    def compiled():
+        configure_dynamo()
+        return torch.compile(fn, dynamic=True, fullgraph=True)
+    return compiled

@@ -21,7 +21,7 @@ try:  # torch >= 2.9 asks for the log-sum-exp through return_aux; return_lse is 
 except ImportError:
     LSE_KWARGS = {"return_lse": True}
 
-from ...compile import configure_dynamo
+from ...compile import compiled_on_first_use, configure_dynamo
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
 from ..metadata import AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists
 from ..layout import DEAD_KV0, KV_TILE, Q_TILE
@@ -181,13 +181,10 @@ def decode_lists(meta: AttentionMetadata, mask_mod, values: list[torch.Tensor], 
     return kv_num, _pool_wide(kv_idx, num_blocks), full_num, _pool_wide(full_idx, num_blocks)
 
 
-@functools.cache
-def _compiled_decode_lists():
-    # One Inductor graph for the ~40 small integer ops of the lists, which a decode CUDA graph otherwise replays
-    # as as many kernels every step (at batch 1 each costs its run plus ~1 µs of launch gap: docs/benchmarks.md,
-    # session 18). Dynamic shapes: the buckets share it.
-    configure_dynamo()
-    return torch.compile(decode_lists, dynamic=True, fullgraph=True)
+# One Inductor graph for the ~40 small integer ops of the lists, which a decode CUDA graph otherwise replays as as
+# many kernels every step (at batch 1 each costs its run plus ~1 µs of launch gap: docs/benchmarks.md, session 18).
+# Dynamic shapes: the buckets share it.
+_compiled_decode_lists = compiled_on_first_use(decode_lists)
 
 
 @functools.cache
