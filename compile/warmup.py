@@ -116,30 +116,24 @@ def capture_mixed_graphs(runner) -> int:
     return len(graphs.graphs) - before
 
 
-def logits_width(runner) -> int:
-    """The logits' last dimension (the vocabulary, as padded by the model's lm_head)."""
-    with torch.inference_mode():
-        return runner.model.compute_logits(torch.zeros(1, runner.model.spec.hidden_size, dtype=runner.dtype,
-                                                       device=runner.device)).shape[-1]
-
-
-def warm_up_logprobs(runner) -> None:
-    """Compile the prompt-logprob scoring (layers/sampler.token_logprobs on logits in the model dtype, dynamic
-    in its rows) before a request asks: one graph serves every row count (compute_logprobs gives it two rows
-    for one)."""
+def warm_up_sampling(runner) -> None:
+    """Compile what scores and samples logits before a request asks: the prompt-logprob scoring
+    (layers/sampler.token_logprobs on logits in the model dtype; one graph serves every row count, as
+    compute_logprobs gives it two rows for one) and the sampler's temperature draw (Sampler.warm_up)."""
     from ..layers.sampler import compute_logprobs
-    width = logits_width(runner)
-    with torch.inference_mode():
+    with torch.inference_mode():  # the logits' width: the vocabulary as the model's lm_head pads it
+        width = runner.model.compute_logits(torch.zeros(1, runner.model.spec.hidden_size, dtype=runner.dtype,
+                                                        device=runner.device)).shape[-1]
         compute_logprobs(torch.zeros(2, width, dtype=runner.dtype, device=runner.device),
                          torch.zeros(2, dtype=torch.long, device=runner.device), 1, runner.compiled)
+    runner.sampler.warm_up(width, runner.device)
 
 
 def warm_up_steps(runner, decode: bool = False) -> float:
     """Run one dummy step per prefill bucket (and per decode bucket if `decode`), and compile the logprob
-    scoring; returns the seconds."""
+    scoring and the sampler; returns the seconds."""
     start = time.perf_counter()
-    warm_up_logprobs(runner)
-    runner.sampler.warm_up(logits_width(runner), runner.device)
+    warm_up_sampling(runner)
     for b in prefill_buckets(runner):
         lengths = prompt_lengths(runner, b)
         if lengths is not None:  # (None: no step can pad to this bucket)
@@ -157,8 +151,7 @@ def warm_up_unpadded(runner) -> float:
     step and compile once for any longer one; the paged flash kernel compiles (JIT) once per mask.
     Returns the seconds."""
     start = time.perf_counter()
-    warm_up_logprobs(runner)
-    runner.sampler.warm_up(logits_width(runner), runner.device)
+    warm_up_sampling(runner)
     dummy_step(runner, 1, 1)              # T = 1
     dummy_step(runner, 2, 2)              # T >= 2, whole prompts (no paging)
     dummy_step(runner, 3, 1, cached=1)    # decode rows over a cached prefix: the paged kernel

@@ -109,7 +109,7 @@ class ModelRunner:
             "one KV cache shape for every layer"
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.dtype = next(self.model.parameters()).dtype
-        choose_all_reduce(self.tp, self.dtype, self.device)  # (NCCL unless FLEXENGINE_ALL_REDUCE says otherwise)
+        choose_all_reduce(self.tp, self.dtype, self.device)  # one-shot or NCCL (FLEXENGINE_ALL_REDUCE)
         self.vocab_size = text_config(self.hf_config).vocab_size
         self.sampling = SamplingInputs(self.device, self.vocab_size, self.config.max_num_seqs)
         self.block_size = config.block_size

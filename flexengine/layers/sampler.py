@@ -156,7 +156,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor):
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, compiled: bool = False):
     """(logprob of each row's token, its rank, the top k ids and logprobs), from logits of any dtype;
     `compiled`: token_logprobs through Inductor (the prompt-logprob scoring of the CUDA engine, in the model
-    dtype, warmed up by compile/warmup.warm_up_logprobs; a sampled token's logprobs are few rows, eager)."""
+    dtype, warmed up by compile/warmup.warm_up_sampling; a sampled token's logprobs are few rows, eager)."""
     n = logits.shape[0]
     if compiled and n == 1:  # one compiled graph for every row count: dynamo would specialise a size-1 one
         logits, token_ids = logits.expand(2, -1).contiguous(), token_ids.expand(2).contiguous()
