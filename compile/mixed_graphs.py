@@ -54,10 +54,12 @@ class MixedKey:
     num_tiles: int   # prefill tiles, padded to a bucket
     num_segments: int  # prefill segments, padded to layout.segment_capacity
     workspace_pages: int  # pages gathered into the prefill workspace (graph_workspace_pages of num_tiles)
+    kernel_splits: int = 1  # the decode kernel's programs per row
 
     @classmethod
     def of(cls, layout: StepLayout) -> "MixedKey":
-        return cls(layout.num_decode, layout.decode_splits, layout.num_tiles, layout.num_segments, len(layout.ws_req))
+        return cls(layout.num_decode, layout.decode_splits, layout.num_tiles, layout.num_segments, len(layout.ws_req),
+                   layout.kernel_splits)
 
     @property
     def num_tokens(self) -> int:

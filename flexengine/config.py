@@ -68,6 +68,8 @@ def env_all_reduce() -> str:
 
 
 DECODE_SPLITS_ENV = "FLEXENGINE_DECODE_SPLITS"
+SPLIT_KV_ENV = "FLEXENGINE_SPLIT_KV"
+SPLIT_KV_MODES = ("kernel", "rows")
 
 
 def env_decode_splits() -> int | None:
@@ -80,6 +82,16 @@ def env_decode_splits() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{DECODE_SPLITS_ENV} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def env_split_kv() -> str:
+    """Where a decode request's pages are split on CUDA, from FLEXENGINE_SPLIT_KV: kernel (the default: flex's
+    own SPLIT_KV programs over one row, which reads its query and writes its output in place) or rows (a
+    flex row per split, a query gather before and a log-sum-exp merge after). A probe's knob (issue 16)."""
+    value = os.environ.get(SPLIT_KV_ENV, "").strip().lower() or "kernel"
+    if value not in SPLIT_KV_MODES:
+        raise ValueError(f"{SPLIT_KV_ENV} must be one of {', '.join(SPLIT_KV_MODES)}, got {value!r}")
+    return value
 
 
 def env_api_key() -> str | None:

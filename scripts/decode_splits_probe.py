@@ -1,18 +1,21 @@
-"""Small-batch decode with split-KV as the engine chooses it against no split at all (issue 16).
+"""Small-batch decode with split-KV inside the kernel, as split rows, and with no split at all (issue 16).
 
     python3 scripts/decode_splits_probe.py --model /dev/shm/llama1b [--contexts 128,1024,4096 --batches 1,8]
 
 `choose_decode_splits` gives each decode graph bucket enough split-KV rows for two programs per SM (32 splits at
 batch 1 on the H100 with 8 KV heads), whatever the context: a 384-token context is then 3 pages in 32 splits, 29
 of them empty, plus a query gather and a merge launch per layer. With one split the step has neither, but a
-long context is one program per KV head. This builds the engine twice in one process (the engine's splits, then
-splits forced to 1), measures decode ms/token at each batch and context (`bench latency`'s method), and prints
-both with their ratio: the data for choosing splits by context, not only by batch. A probe for a decision.
+long context is one program per KV head. Split inside the kernel (FLEXENGINE_SPLIT_KV=kernel, the default),
+each request is one row whose pages flex's own SPLIT_KV programs share: no gather, no merge, but every page's
+mask is evaluated. This builds the engine three times in one process (kernel splits, split rows, splits forced to
+1), measures decode ms/token at each batch and context (`bench latency`'s method), and prints them with their
+ratios: the data for choosing how and how much to split. A probe for a decision.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 
 import torch
 
@@ -51,13 +54,18 @@ def main() -> int:
     args = p.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
-    auto = measure(args, "engine's splits")
+    runs = {}
+    for mode in ("kernel", "rows"):
+        os.environ["FLEXENGINE_SPLIT_KV"] = mode
+        runs[mode] = measure(args, f"split {mode}")
     one = lambda num_decode, num_kv_heads, device: 1  # noqa: E731
     layout.choose_decode_splits = cuda_graphs.choose_decode_splits = paged_attention.choose_decode_splits = one
-    unsplit = measure(args, "one split")
-    print("\n| batch | context | engine's splits ms/token | one split ms/token | one / engine's |\n|---|---|---|---|---|")
-    for key, ms in auto.items():
-        print(f"| {key[0]} | {key[1]} | {ms:.3f} | {unsplit[key]:.3f} | {unsplit[key] / ms:.2f} |")
+    runs["one"] = measure(args, "one split")
+    print("\n| batch | context | kernel splits ms/token | split rows ms/token | one split ms/token | rows / kernel | "
+          "one / kernel |\n|---|---|---|---|---|---|---|")
+    for key, ms in runs["kernel"].items():
+        rows, one_ms = runs["rows"][key], runs["one"][key]
+        print(f"| {key[0]} | {key[1]} | {ms:.3f} | {rows:.3f} | {one_ms:.3f} | {rows / ms:.2f} | {one_ms / ms:.2f} |")
     return 0
 
 

@@ -171,6 +171,44 @@ def test_page_lists_at_every_offset_within_a_page():
         check_page_lists(random.Random(0), P, case, reqs)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([8, 16]), CASES, st.lists(st.integers(1, 300), min_size=1, max_size=4), st.integers(2, 32),
+       st.integers(0, 1000))
+def test_kernel_split_lists_every_page_once_as_partial(P, case, lens, splits, seed):
+    """Split-KV inside the kernel (FLEXENGINE_SPLIT_KV=kernel, the default): one decode row per request, no full
+    list (flex's template splits a full list by the pool's length), and the partial list holds exactly the pages the
+    split-rows layout lists as partial or full for that request."""
+    mask = masks.get_mask_mod(case[0])
+    lists = {}
+    for mode in ("kernel", "rows"):
+        meta, _ = make_step(random.Random(seed), [(L, 1) for L in lens], P)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("FLEXENGINE_SPLIT_KV", mode)
+            lay = plan_layout([1] * len(lens), lens, decode_splits=splits, block_size=P)
+        meta = build_metadata(meta.block_tables, meta.seq_lens, torch.empty(0, dtype=torch.long), lay, P, meta.num_blocks)
+        rows = 1 if mode == "kernel" else splits
+        assert (lay.decode_splits, lay.kernel_splits) == ((1, splits) if mode == "kernel" else (splits, 1))
+        kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask, [])
+        assert kv_num.shape[0] == len(lens) * rows
+        lists[mode] = [sorted([int(x) for r in range(b * rows, (b + 1) * rows) for x in kv_idx[r, : kv_num[r]]]
+                              + [int(x) for r in range(b * rows, (b + 1) * rows) for x in full_idx[r, : full_num[r]]])
+                       for b in range(len(lens))]
+        if mode == "kernel":
+            assert int(full_num.sum()) == 0
+    assert lists["kernel"] == lists["rows"]
+
+
+def test_split_kv_env_refuses_nonsense(monkeypatch):
+    from flexengine.config import env_split_kv
+    monkeypatch.delenv("FLEXENGINE_SPLIT_KV", raising=False)
+    assert env_split_kv() == "kernel"
+    monkeypatch.setenv("FLEXENGINE_SPLIT_KV", "Rows")
+    assert env_split_kv() == "rows"
+    monkeypatch.setenv("FLEXENGINE_SPLIT_KV", "both")
+    with pytest.raises(ValueError, match="FLEXENGINE_SPLIT_KV must be one of kernel, rows"):
+        env_split_kv()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_to_device_through_the_pinned_ring_keeps_every_copy():

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import env_decode_splits, env_split_kv
+
 Q_TILE = 128  # flex q block of the prefill call
 KV_TILE = 128  # flex kv block of the prefill call, over the workspace
 DEAD_KV0 = 1 << 30  # workspace start of a row that is not a prefill query: every key lies before it
@@ -66,6 +68,8 @@ class StepLayout:
     # (padding pages: page -1, which gathers page 0 and is never read).
     ws_req: np.ndarray = None
     ws_page: np.ndarray = None
+    # Split-KV inside the decode kernel (flex's SPLIT_KV programs over each of its rows; decode_splits is then 1)
+    kernel_splits: int = 1
 
     @property
     def decode_req(self) -> np.ndarray:
@@ -96,7 +100,6 @@ def choose_decode_splits(num_decode: int, num_kv_heads: int, device) -> int:
     Always 1 off CUDA: merging splits needs the kernel's log-sum-exp, which CPU Inductor lacks.
     FLEXENGINE_DECODE_SPLITS caps it (every rank of tensor parallelism reads the same environment).
     """
-    from ..config import env_decode_splits
     device = torch.device(device)
     if device.type != "cuda" or num_decode == 0:
         return 1
@@ -109,6 +112,9 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
     """Place each request's queries: query_len 1 → decode rows, longer → prefill rows of the token
     buffer's tiles; with `block_size`, also the prefill workspace (pages, padded to `pad_workspace_to`)."""
     assert decode_splits >= 1 and len(query_lens) > 0
+    kernel_splits = 1
+    if decode_splits > 1 and env_split_kv() == "kernel":  # the same split, made by the kernel's programs
+        decode_splits, kernel_splits = 1, decode_splits
     ql = np.asarray(query_lens, dtype=np.int64)
     sl = np.asarray(seq_lens, dtype=np.int64)
     T = int(ql.sum())
@@ -171,7 +177,7 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
         span_kv0=np.concatenate([z(Bd * S), kv0_req[seg_req], z(seg_pad)]),
         seg_tile=np.concatenate([seg_tile, z(seg_pad)]), tile_single=tile_single,
         prefill_req=row_req, prefill_pos=row_pos, prefill_kv0=row_kv0,
-        decode_src=decode_src, decode_dst=decode_dst, ws_req=ws_req, ws_page=ws_page,
+        decode_src=decode_src, decode_dst=decode_dst, ws_req=ws_req, ws_page=ws_page, kernel_splits=kernel_splits,
     )
 
 

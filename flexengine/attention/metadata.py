@@ -172,6 +172,8 @@ def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tenso
         hi = (lo + chunk).clamp(max=hi)
         flo, fhi = flo.clamp(lo, hi), fhi.clamp(lo, hi)
         fhi = torch.maximum(fhi, flo)
+    if meta.layout.kernel_splits > 1:  # all partial: flex splits a row's partial list evenly, but its full
+        flo = fhi = hi                   # list by the whole pool's length (its TILE_KV), so one program would read it
     M = meta.block_tables.shape[1]
     kv_num, partial, full_num, full = block_lists(lo, flo, fhi, hi, M)
     tables = meta.block_tables[meta.span_req[rows]]

@@ -159,8 +159,11 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
         M = meta.num_blocks
         lists = _compiled_decode_lists() if listed_only else decode_lists  # (listed_only: compiled, on CUDA)
         kv_num, kv_idx, full_num, full_idx = lists(meta, mask_mod, values, M)
+        # no full lists where the kernel splits (page_lists made every page partial): with any, flex's decode
+        # template splits by the pool's length, not the row's list
+        full = (None, None) if lay.kernel_splits > 1 else (full_num.view(Bd, 1, 1), full_idx.view(Bd, 1, 1, M))
         dec = BlockMask.from_kv_blocks(
-            kv_num.view(Bd, 1, 1), kv_idx.view(Bd, 1, 1, M), full_num.view(Bd, 1, 1), full_idx.view(Bd, 1, 1, M),
+            kv_num.view(Bd, 1, 1), kv_idx.view(Bd, 1, 1, M), *full,
             BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, True, listed_only),
             seq_lengths=(1, M * P), compute_q_blocks=False)
     if Tp:
@@ -363,8 +366,8 @@ class FlexBackend:
             return self.forward_dense(query, k, v, meta, mask_mod, score_mod, scale)
         flex = self.flex_fn()
         gqa = Hq != Hkv
-        # the decode kernel's kv tile must divide the page; default tiles can be 128 wide
-        opts = {"kernel_options": {"BLOCK_N": P}} if P < 128 else {}
+        # the decode kernel's kv tile must divide the page (default tiles can be 128 wide); its programs per row
+        opts = {"kernel_options": {"SPLIT_KV": lay.kernel_splits, **({"BLOCK_N": P} if P < 128 else {})}}
         if lay.decode_in_place:  # [T, Hq, 1, D] in, out: at S = 1 a gather and a scatter launch fewer per layer
             return flex(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
                         **opts)[:, :, 0]
