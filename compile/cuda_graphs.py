@@ -20,7 +20,7 @@ import torch
 from ..attention.metadata import AttentionMetadata, build_metadata, build_phys_to_logical
 from ..attention.layout import choose_decode_splits, plan_layout
 from ..attention.staging import to_device
-from .policy import compiled_on_first_use, decode_buckets
+from .policy import compiled_on_first_use, decode_buckets, decode_regions
 
 
 @dataclass(frozen=True)
@@ -154,8 +154,9 @@ class DecodeGraphRunner:
 
     def step(self, bs: int) -> torch.Tensor:
         meta = self.static_meta(bs)
-        refresh_decode_metadata(meta, self.backend, self.mods)
-        return self.forward_logits(self.bufs.input_ids[:bs], self.bufs.positions[:bs], meta)
+        with decode_regions():
+            refresh_decode_metadata(meta, self.backend, self.mods)
+            return self.forward_logits(self.bufs.input_ids[:bs], self.bufs.positions[:bs], meta)
 
     @torch.inference_mode()
     def capture_all(self) -> None:

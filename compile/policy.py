@@ -8,6 +8,8 @@ import functools
 import torch
 import torch._dynamo
 
+from ..config import env_combo_kernels
+
 # Each shape class (decode batch bucket, prefill tile bucket, pool size) is one compiled graph. An
 # engine warms up O(20) classes; 64 leaves room for the model and the builder without hiding a leak.
 RECOMPILE_LIMIT = 64
@@ -77,7 +79,7 @@ def tile_buckets(top: int) -> list[int]:
     return out
 
 
-_FUSE = {"enabled": False}
+_FUSE = {"enabled": False, "combo": False}
 _FUSED: list = []  # every `fused` wrapper, for reset_fused
 
 
@@ -87,49 +89,68 @@ def set_fused_elementwise(enabled: bool) -> None:
 
 
 @contextlib.contextmanager
-def fused_elementwise(enabled: bool):
-    """`set_fused_elementwise` for the calls inside; each engine's steps run under its own setting."""
-    before = _FUSE["enabled"]
-    _FUSE["enabled"] = enabled
+def _fuse_setting(key: str, value: bool):
+    before = _FUSE[key]
+    _FUSE[key] = value
     try:
         yield
     finally:
-        _FUSE["enabled"] = before
+        _FUSE[key] = before
+
+
+def fused_elementwise(enabled: bool):
+    """`set_fused_elementwise` for the calls inside; each engine's steps run under its own setting."""
+    return _fuse_setting("enabled", enabled)
+
+
+def decode_regions():
+    """The `fused` calls inside are a decode step's (a few rows, launch-bound): their compiled version has Inductor's
+    combo kernels (FLEXENGINE_COMBO_KERNELS), which launch a region's data-independent kernels as one. Steps with
+    prompt tokens keep separate kernels: combo kernels made 8k-64k prefill 1.5-4% slower (session 19)."""
+    return _fuse_setting("combo", env_combo_kernels())
 
 
 def reset_fused() -> None:
     """Drop the `fused` functions' compiled versions; the next call compiles again (with whatever
     torch.compile is then: tests swap in other backends)."""
     for wrapper in _FUSED:
-        wrapper.compiled = None
+        wrapper.compiled = {}
+
+
+def compile_region(fn, combo: bool):
+    """torch.compile as the engine's regions use it: dynamic shapes, one graph; with `combo`, Inductor's combo
+    kernels."""
+    configure_dynamo()
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"combo_kernels": True} if combo else None)
 
 
 def fused(fn):
     """Mark a pure step (a norm, rotary, an activation, a layer's work beside attention) for Inductor.
 
-    Compiled once with dynamic shapes, so every layer and every batch size shares the code (a module
-    passed as `self` is inlined: its parameters are inputs, not constants); inside a compiled region
-    the plain function is traced instead. Off unless the engine turns it on.
+    Compiled with dynamic shapes, so every layer and every batch size shares the code (a module passed
+    as `self` is inlined: its parameters are inputs, not constants), once for decode steps (`decode_regions`)
+    and once for the rest; inside a compiled region the plain function is traced instead. Off unless the
+    engine turns it on.
     """
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if not _FUSE["enabled"] or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
-        if wrapper.compiled is None:
-            configure_dynamo()
-            wrapper.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-        return wrapper.compiled(*args, **kwargs)
+        combo = _FUSE["combo"]
+        if combo not in wrapper.compiled:
+            wrapper.compiled[combo] = compile_region(fn, combo)
+        return wrapper.compiled[combo](*args, **kwargs)
 
-    wrapper.eager, wrapper.compiled = fn, None
+    wrapper.eager, wrapper.compiled = fn, {}
     _FUSED.append(wrapper)
     return wrapper
 
 
 def compiled_on_first_use(fn):
-    """→ a function returning torch.compile(fn, dynamic=True, fullgraph=True), made once, on its first call (the
-    device-side step helpers the CUDA engine runs through Inductor, whatever the `fused` setting)."""
+    """→ a function returning fn compiled by `compile_region`, made once, on its first call (the device-side step
+    helpers the CUDA engine runs through Inductor, whatever the `fused` setting: small integer work, combo kernels
+    unless FLEXENGINE_COMBO_KERNELS=0)."""
     @functools.cache
     def compiled():
-        configure_dynamo()
-        return torch.compile(fn, dynamic=True, fullgraph=True)
+        return compile_region(fn, env_combo_kernels())
     return compiled

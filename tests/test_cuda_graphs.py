@@ -174,6 +174,25 @@ def test_fused_elementwise_matches_eager():
         set_fused_elementwise(False)
 
 
+@pytest.mark.parametrize("combo_env", ["", "0"])
+def test_decode_regions_compile_their_own_version(monkeypatch, combo_env):
+    """Inside decode_regions a `fused` function runs a version of its own (Inductor's combo kernels, which slowed
+    prefill), equal to eager; outside it, the plain one; FLEXENGINE_COMBO_KERNELS=0 leaves one version only."""
+    from flexengine.compile import fused_elementwise, reset_fused
+    from flexengine.compile.policy import decode_regions
+    from flexengine.layers.rotary import apply_rotary
+    monkeypatch.setenv("FLEXENGINE_COMBO_KERNELS", combo_env)
+    reset_fused()
+    g = torch.Generator().manual_seed(1)
+    x, cos, sin = torch.randn(3, 2, 8, generator=g), torch.randn(3, 1, 4, generator=g), torch.randn(3, 1, 4, generator=g)
+    with fused_elementwise(True):
+        torch.testing.assert_close(apply_rotary(x, cos, sin), apply_rotary.eager(x, cos, sin))
+        with decode_regions():
+            torch.testing.assert_close(apply_rotary(x, cos, sin), apply_rotary.eager(x, cos, sin))
+    assert sorted(apply_rotary.compiled) == ([False, True] if combo_env == "" else [False])
+    reset_fused()
+
+
 def mixed_traffic(n=14, seed=0, max_len=90, max_tokens=12, **params):
     import random
     rng = random.Random(seed)
@@ -441,3 +460,10 @@ def test_compiled_advance_and_rotary_tables_equal_eager(monkeypatch, tmp_path):
     for a, b in zip(got, expected):
         assert a.shape == b.shape == (len(positions), 1, 32) and a.dtype == torch.bfloat16
         torch.testing.assert_close(a, b, atol=2 ** -7, rtol=0)  # Inductor's sin/cos: a bf16 ulp apart at most
+
+
+def test_combo_kernels_env_refuses_nonsense(monkeypatch):
+    from flexengine.config import env_combo_kernels
+    monkeypatch.setenv("FLEXENGINE_COMBO_KERNELS", "yes")
+    with pytest.raises(ValueError, match="FLEXENGINE_COMBO_KERNELS must be 0 or 1"):
+        env_combo_kernels()
