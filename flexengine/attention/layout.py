@@ -95,7 +95,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_decode_splits(num_decode: int, num_kv_heads: int, device) -> int:
-    """Enough split-KV rows to give every SM about two (row, kv-head) programs; 1 at large batch.
+    """Enough splits of each decode request's pages to give every SM about two (split, kv-head) programs; 1 at large
+    batch. plan_layout makes them rows of the flex call or the kernel's own programs (FLEXENGINE_SPLIT_KV).
 
     Always 1 off CUDA: merging splits needs the kernel's log-sum-exp, which CPU Inductor lacks.
     FLEXENGINE_DECODE_SPLITS caps it (every rank of tensor parallelism reads the same environment).
@@ -112,9 +113,6 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
     """Place each request's queries: query_len 1 → decode rows, longer → prefill rows of the token
     buffer's tiles; with `block_size`, also the prefill workspace (pages, padded to `pad_workspace_to`)."""
     assert decode_splits >= 1 and len(query_lens) > 0
-    kernel_splits = 1
-    if decode_splits > 1 and env_split_kv() == "kernel":  # the same split, made by the kernel's programs
-        decode_splits, kernel_splits = 1, decode_splits
     ql = np.asarray(query_lens, dtype=np.int64)
     sl = np.asarray(seq_lens, dtype=np.int64)
     T = int(ql.sum())
@@ -127,7 +125,10 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
 
     Bd = max(len(dec), pad_decode_to)
     dec_pad = Bd - len(dec)
-    S = decode_splits
+    S, kernel_splits = decode_splits, 1
+    mode = env_split_kv() if S > 1 else "rows"
+    if mode == "kernel" or (mode == "auto" and Bd == 1):  # the same split, made by the kernel's programs
+        S, kernel_splits = 1, decode_splits
     decode_src = np.repeat(np.concatenate([starts[dec], z(dec_pad)]), S)
     decode_dst = np.concatenate([starts[dec], np.full(dec_pad, -1, np.int64)])
     dreq = np.repeat(np.concatenate([dec, z(dec_pad)]), S)

@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "without bounds composed with causal, as docs/attention.md serves attention-gym's masks)")
     p.add_argument("--score", default=None, help="a score mod: softcap:C, alibi, or a registered name (default none)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--decode-only", action="store_true", help="only the decode rows (a quick check of the decode kernel)")
 
 
 def user_causal(b, h, q_idx, kv_idx):
@@ -173,7 +174,7 @@ def main(args) -> int:
         for p in args.page_sizes:
             row[f"flex_p{p}"], row[f"meta_p{p}"] = flex_times([ctx] * B, [1] * B, p, Hq, Hkv, D, device, mods)
         rows.append(row)
-    for N, L in PREFILL:
+    for N, L in [] if args.decode_only else PREFILL:
         floor = 4 * N * Hq * D * L * L / 2 / BF16_FLOPS * 1e6
         row = dict(kind="prefill", B=N, ctx=L, floor=floor, sdpa=sdpa_prefill(N, L, Hq, Hkv, D, device))
         for p in args.page_sizes:
