@@ -132,6 +132,7 @@ class DecodeGraphRunner:
         self.pool = None
         self.graph_bytes = 0
         self.capture_seconds = 0.0
+        self.bucket_seconds: dict[int, float] = {}  # compile + capture of each bucket (start-up's breakdown)
 
     def key(self, bs: int) -> GraphKey:
         return GraphKey(bs, self.splits[bs], self.num_blocks, self.width, tuple(self.params.items()))
@@ -174,12 +175,14 @@ class DecodeGraphRunner:
         for n in {1, min(2, max(self.buckets))}:  # compile the buffers' advance now (one row; several), not mid-serving
             self.bufs.advance(self.bufs.input_ids[:n].clone(), self.block_size)
         for bs in sorted(self.buckets, reverse=True):
+            started = time.perf_counter()
             self.step(bs)  # compile and autotune outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with graph_capture(graph, self.pool):
                 self.logits[self.key(bs)] = self.step(bs)
             self.graphs[self.key(bs)] = graph
+            self.bucket_seconds[bs] = time.perf_counter() - started
         torch.cuda.synchronize(self.device)
         self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
         self.capture_seconds = time.perf_counter() - start
