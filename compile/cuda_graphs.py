@@ -155,7 +155,7 @@ class DecodeGraphRunner:
 
     def step(self, bs: int) -> torch.Tensor:
         meta = self.static_meta(bs)
-        with decode_regions():
+        with decode_regions(bs == 1):  # batch 1: the bucket whose step is launch-bound
             refresh_decode_metadata(meta, self.backend, self.mods)
             return self.forward_logits(self.bufs.input_ids[:bs], self.bufs.positions[:bs], meta)
 

@@ -101,9 +101,9 @@ COMBO_KERNELS_ENV = "FLEXENGINE_COMBO_KERNELS"
 
 
 def env_combo_kernels() -> bool:
-    """Inductor's combo kernels in decode steps' compiled regions (compile.decode_regions) and the step helpers:
-    data-independent kernels of one region (the queries' rotary and the two cache writes) launched as one. On
-    unless FLEXENGINE_COMBO_KERNELS=0. A batch-1 step is mostly small kernels: on the H100 they took the 1B step
+    """Inductor's combo kernels in the batch-1 decode graph's compiled regions (compile.decode_regions) and the
+    step helpers: data-independent kernels of one region (the queries' rotary and the two cache writes) launched
+    as one. On unless FLEXENGINE_COMBO_KERNELS=0. A batch-1 step is mostly small kernels: on the H100 they took the 1B step
     from 269 to 232 kernels and 1.500 to 1.441 ms/token (docs/benchmarks.md, session 19)."""
     value = os.environ.get(COMBO_KERNELS_ENV, "").strip()
     if value not in ("", "0", "1"):
