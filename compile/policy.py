@@ -106,7 +106,7 @@ def fused_elementwise(enabled: bool):
 def decode_regions(enabled: bool = True):
     """The `fused` calls inside are a one-row decode step's (launch-bound): their compiled version has Inductor's
     combo kernels (FLEXENGINE_COMBO_KERNELS), which launch a region's data-independent kernels as one. Dynamo
-    compiles one-row calls on their own anyway (it specialises size 1), so this adds no compile; steps with prompt
+    compiles one-row calls on their own anyway (it specialises size 1), so the layers add no compile; steps with prompt
     tokens keep separate kernels (combo kernels made 8k-64k prefill 1.5-4% slower, session 19)."""
     return _fuse_setting("combo", enabled and env_combo_kernels())
 
