@@ -182,7 +182,7 @@ class DecodeGraphRunner:
             with graph_capture(graph, self.pool):
                 self.logits[self.key(bs)] = self.step(bs)
             self.graphs[self.key(bs)] = graph
-            self.bucket_seconds[bs] = time.perf_counter() - started
+            self.bucket_seconds[bs] = round(time.perf_counter() - started, 1)
         torch.cuda.synchronize(self.device)
         self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
         self.capture_seconds = time.perf_counter() - start

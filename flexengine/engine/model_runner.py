@@ -295,9 +295,8 @@ class ModelRunner:
             num_kv_heads=self.num_kv_heads, params=self.param_dtypes(), scratch_slot=self.num_blocks * self.block_size,
             device=self.device)
         graphs.capture_all()
-        logger.info("captured %d decode CUDA graphs in %.1f s (batch: s {%s}), %.1f MiB", len(graphs.graphs),
-                    graphs.capture_seconds, ", ".join(f"{b}: {t:.1f}" for b, t in sorted(graphs.bucket_seconds.items())),
-                    graphs.graph_bytes / 2 ** 20)
+        logger.info("captured %d decode CUDA graphs in %.1f s (batch: s %s), %.1f MiB", len(graphs.graphs),
+                    graphs.capture_seconds, dict(sorted(graphs.bucket_seconds.items())), graphs.graph_bytes / 2 ** 20)
         return graphs
 
     def release_graphs(self) -> None:
