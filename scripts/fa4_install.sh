@@ -36,7 +36,9 @@ PY
 
 pack() {  # here: download the cp312 wheels and pack them into .whl/fa4.tar.xz.partNN
   local parts=${1:-1} dl=/tmp/fa4_download
-  rm -rf "$WHL" "$dl" && mkdir -p "$WHL" "$dl/stored"
+  # only the old parts go: the other carried wheels (scripts/serve_wheels.sh) live in .whl/ too. A call carries
+  # 64 MiB at most, and the parts are 57 MB: carry them with attn_gym alone, the rest in calls without FA4.
+  rm -rf "$dl" "$WHL"/fa4.* && mkdir -p "$WHL" "$dl/stored"
   for spec in $WHEELS; do python3 -m pip download -q --no-deps $PLATFORM -d "$dl" "$spec"; done
   # A wheel is a deflated zip, which xz cannot shrink further (libs-cu13 is 92 MB so). Stored members
   # let one xz stream with the x86 BCJ filter compress the raw contents, mostly machine code.
