@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from operator import is_not
 
 import numpy as np
 
@@ -70,12 +71,14 @@ class DecodeTracker:
         """Record `seqs` as the batch the buffers hold after this step. Returns the step's changes when
         `seqs` is the last step's batch, in order, each request one token further and its block table only
         grown; else None (pack the whole batch)."""
+        seqs = list(seqs)
         tables = [s.block_table for s in seqs]
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-        last, self.last = self.last, _Step(list(seqs), tables, lens, num_tokens)
-        if (last is None or len(seqs) != len(last.seqs) or any(a is not b for a, b in zip(seqs, last.seqs))
-                or any(a is not b for a, b in zip(tables, last.tables))
+        last, self.last = self.last, _Step(seqs, tables, lens, num_tokens)
+        # (the comparisons run in C: a Sequence compares by identity, and `is_not` maps over the tables)
+        if (last is None or seqs != last.seqs or len(tables) != len(last.tables)
+                or any(map(is_not, tables, last.tables))
                 or not (np.array_equal(num_tokens, last.num_tokens + 1) and (lens >= last.lens).all())):
             return None
         grown = np.nonzero(lens > last.lens)[0].tolist()
