@@ -77,7 +77,7 @@ class DecodeTracker:
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
         last, self.last = self.last, _Step(seqs, tables, lens, num_tokens)
         # (the comparisons run in C: a Sequence compares by identity, and `is_not` maps over the tables)
-        if (last is None or seqs != last.seqs or len(tables) != len(last.tables)
+        if (last is None or seqs != last.seqs
                 or any(map(is_not, tables, last.tables))
                 or not (np.array_equal(num_tokens, last.num_tokens + 1) and (lens >= last.lens).all())):
             return None
