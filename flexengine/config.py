@@ -26,6 +26,14 @@ def resolve_device(device):
     return dev
 
 
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The value of environment variable `name`, one of `choices` (case-insensitive); unset or empty: the first."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 FLEX_PREFILL_ENV = "FLEXENGINE_FLEX_PREFILL"
 FLEX_PREFILL_KERNELS = ("auto", "triton", "flash")
 
@@ -33,10 +41,7 @@ FLEX_PREFILL_KERNELS = ("auto", "triton", "flash")
 def env_flex_prefill_kernel() -> str:
     """The kernel of flex's compiled prefill call: auto (FlashAttention-4 where installed, else Triton),
     triton or flash, from FLEXENGINE_FLEX_PREFILL (attention/backends/prefill_kernel.py)."""
-    value = os.environ.get(FLEX_PREFILL_ENV, "").strip().lower() or "auto"
-    if value not in FLEX_PREFILL_KERNELS:
-        raise ValueError(f"{FLEX_PREFILL_ENV} must be one of {', '.join(FLEX_PREFILL_KERNELS)}, got {value!r}")
-    return value
+    return _env_choice(FLEX_PREFILL_ENV, FLEX_PREFILL_KERNELS)
 
 
 DIST_BACKEND_ENV = "FLEXENGINE_DIST_BACKEND"
@@ -46,10 +51,7 @@ DIST_BACKENDS = ("auto", "nccl", "gloo")
 def env_dist_backend() -> str:
     """The torch.distributed backend of tensor parallelism: auto (NCCL on CUDA, gloo on the CPU), nccl or
     gloo, from FLEXENGINE_DIST_BACKEND."""
-    value = os.environ.get(DIST_BACKEND_ENV, "").strip().lower() or "auto"
-    if value not in DIST_BACKENDS:
-        raise ValueError(f"{DIST_BACKEND_ENV} must be one of {', '.join(DIST_BACKENDS)}, got {value!r}")
-    return value
+    return _env_choice(DIST_BACKEND_ENV, DIST_BACKENDS)
 
 
 ALL_REDUCE_ENV = "FLEXENGINE_ALL_REDUCE"
@@ -61,10 +63,7 @@ def env_all_reduce() -> str:
     one_shot where every pair of the group's GPUs has peer access, else NCCL), nccl, or one_shot (CUDA only:
     each rank reads the others' copy through symmetric memory in one kernel, for inputs up to
     collectives.ONE_SHOT_MAX_BYTES; docs/parallelism.md has its measurements)."""
-    value = os.environ.get(ALL_REDUCE_ENV, "").strip().lower() or "auto"
-    if value not in ALL_REDUCES:
-        raise ValueError(f"{ALL_REDUCE_ENV} must be one of {', '.join(ALL_REDUCES)}, got {value!r}")
-    return value
+    return _env_choice(ALL_REDUCE_ENV, ALL_REDUCES)
 
 
 DECODE_SPLITS_ENV = "FLEXENGINE_DECODE_SPLITS"
@@ -91,10 +90,7 @@ def env_split_kv() -> str:
     merge after), or auto (the default: kernel for a step's lone decode request, rows for more). H100, session 19:
     batch 1 decodes at 1.500 ms/token split in the kernel against 1.595 in rows; 8 x 8192 attends in 140 µs
     against 122 µs (0.79x against 0.90x SDPA-flash)."""
-    value = os.environ.get(SPLIT_KV_ENV, "").strip().lower() or "auto"
-    if value not in SPLIT_KV_MODES:
-        raise ValueError(f"{SPLIT_KV_ENV} must be one of {', '.join(SPLIT_KV_MODES)}, got {value!r}")
-    return value
+    return _env_choice(SPLIT_KV_ENV, SPLIT_KV_MODES)
 
 
 COMBO_KERNELS_ENV = "FLEXENGINE_COMBO_KERNELS"
@@ -103,8 +99,8 @@ COMBO_KERNELS_ENV = "FLEXENGINE_COMBO_KERNELS"
 def env_combo_kernels() -> bool:
     """Inductor's combo kernels in the batch-1 decode graph's compiled regions (compile.decode_regions) and the
     step helpers: data-independent kernels of one region (the queries' rotary and the two cache writes) launched
-    as one. On unless FLEXENGINE_COMBO_KERNELS=0. A batch-1 step is mostly small kernels: on the H100 they took the 1B step
-    from 269 to 232 kernels and 1.500 to 1.441 ms/token (docs/benchmarks.md, session 19)."""
+    as one. On unless FLEXENGINE_COMBO_KERNELS=0. A batch-1 step is mostly small kernels: on the H100 they took
+    the 1B step from 269 to 232 kernels and 1.500 to 1.441 ms/token (docs/benchmarks.md, session 19)."""
     value = os.environ.get(COMBO_KERNELS_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{COMBO_KERNELS_ENV} must be 0 or 1, got {value!r}")
