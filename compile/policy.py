@@ -106,8 +106,8 @@ def fused_elementwise(enabled: bool):
 def decode_regions(enabled: bool = True):
     """The `fused` calls inside are a one-row decode step's (launch-bound): their compiled version has Inductor's
     combo kernels (FLEXENGINE_COMBO_KERNELS), which launch a region's data-independent kernels as one. Dynamo
-    compiles one-row calls on their own anyway (it specialises size 1), so the layers add no compile; steps with prompt
-    tokens keep separate kernels (combo kernels made 8k-64k prefill 1.5-4% slower, session 19)."""
+    compiles one-row calls on their own anyway (it specialises size 1), so the layers add no compile; steps with
+    prompt tokens keep separate kernels (combo kernels made 8k-64k prefill 1.5-4% slower, session 19)."""
     return _fuse_setting("combo", enabled and env_combo_kernels())
 
 
@@ -129,8 +129,8 @@ def fused(fn):
     """Mark a pure step (a norm, rotary, an activation, a layer's work beside attention) for Inductor.
 
     Compiled with dynamic shapes, so every layer and every batch size shares the code (a module passed
-    as `self` is inlined: its parameters are inputs, not constants), once for decode steps (`decode_regions`)
-    and once for the rest; inside a compiled region the plain function is traced instead. Off unless the
+    as `self` is inlined: its parameters are inputs, not constants), once for the batch-1 decode graph
+    (`decode_regions`) and once for the rest; inside a compiled region the plain function is traced instead. Off unless the
     engine turns it on.
     """
     @functools.wraps(fn)

@@ -7,9 +7,9 @@ batch 1 on the H100 with 8 KV heads), whatever the context: a 384-token context 
 of them empty, plus a query gather and a merge launch per layer. With one split the step has neither, but a
 long context is one program per KV head. Split inside the kernel (FLEXENGINE_SPLIT_KV=kernel; the default, auto,
 takes it for a lone request), each request is one row whose pages flex's own SPLIT_KV programs share: no gather,
-no merge, but every page's mask is evaluated. This builds the engine three times in one process (kernel splits, split rows, splits forced to
-1), measures decode ms/token at each batch and context (`bench latency`'s method), and prints them with their
-ratios: the data for choosing how and how much to split. A probe for a decision.
+no merge, but every page's mask is evaluated. This builds the engine three times in one process (kernel splits,
+split rows, splits forced to 1), measures decode ms/token at each batch and context (`bench latency`'s method),
+and prints them with their ratios: the data for choosing how and how much to split. A probe for a decision.
 """
 from __future__ import annotations
 

@@ -81,14 +81,15 @@ class PenaltyHistories:
         # One pass in numpy: a sequence's first step brings its whole prompt (256 x 256 tokens took 15 ms of
         # Python on the development CPU, once per sequence).
         gained = lengths - starts
-        tokens = np.fromiter(chain.from_iterable(s.token_ids[a:] for s, a in zip(seqs, starts.tolist())), dtype=np.int64,
-                             count=int(gained.sum()))
-        slot_T, row_T = np.repeat(slots, gained), np.repeat(np.asarray(batch_rows, dtype=np.int64), gained)
+        tokens = np.fromiter(chain.from_iterable(s.token_ids[a:] for s, a in zip(seqs, starts.tolist())),
+                             dtype=np.int64, count=int(gained.sum()))
+        host_slots = np.asarray(slots, dtype=np.int64)
+        slot_T, row_T = np.repeat(host_slots, gained), np.repeat(np.asarray(batch_rows, dtype=np.int64), gained)
         col_T = np.arange(len(tokens)) - np.repeat(np.cumsum(gained) - gained - starts, gained)
         wait = tokens == PENDING
         new = starts == 0  # a new slot: its first token fills the columns past its history
-        fills = np.stack([np.asarray(slots, dtype=np.int64)[new], np.fromiter((s.token_ids[0] for s, n in zip(seqs, new) if n),
-                                                                               dtype=np.int64, count=int(new.sum()))])
+        first = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=len(seqs))
+        fills = np.stack([host_slots[new], first[new]])
         known = np.stack([slot_T[~wait], col_T[~wait], tokens[~wait]])
         waiting = np.stack([row_T[wait], slot_T[wait], col_T[wait]])
         for s, n in zip(seqs, lengths.tolist()):
