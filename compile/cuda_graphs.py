@@ -20,7 +20,7 @@ import torch
 from ..attention.metadata import AttentionMetadata, build_metadata, build_phys_to_logical
 from ..attention.layout import choose_decode_splits, plan_layout
 from ..attention.staging import to_device
-from .policy import compiled_on_first_use, decode_buckets, decode_regions
+from .policy import compile_count, compiled_on_first_use, decode_buckets, decode_regions
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,8 @@ class DecodeGraphRunner:
         self.pool = None
         self.graph_bytes = 0
         self.capture_seconds = 0.0
-        self.bucket_seconds: dict[int, float] = {}  # compile + capture of each bucket (start-up's breakdown)
+        # each bucket's compile + capture seconds and the graphs dynamo compiled for it (start-up's breakdown)
+        self.bucket_seconds: dict[int, tuple[float, int]] = {}
 
     def key(self, bs: int) -> GraphKey:
         return GraphKey(bs, self.splits[bs], self.num_blocks, self.width, tuple(self.params.items()))
@@ -175,14 +176,14 @@ class DecodeGraphRunner:
         for n in {1, min(2, max(self.buckets))}:  # compile the buffers' advance now (one row; several), not mid-serving
             self.bufs.advance(self.bufs.input_ids[:n].clone(), self.block_size)
         for bs in sorted(self.buckets, reverse=True):
-            started = time.perf_counter()
+            started, compiled = time.perf_counter(), compile_count()
             self.step(bs)  # compile and autotune outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with graph_capture(graph, self.pool):
                 self.logits[self.key(bs)] = self.step(bs)
             self.graphs[self.key(bs)] = graph
-            self.bucket_seconds[bs] = round(time.perf_counter() - started, 1)
+            self.bucket_seconds[bs] = (round(time.perf_counter() - started, 1), compile_count() - compiled)
         torch.cuda.synchronize(self.device)
         self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
         self.capture_seconds = time.perf_counter() - start

@@ -118,11 +118,21 @@ def reset_fused() -> None:
         wrapper.compiled = {}
 
 
+# Inductor times two configs of each new pointwise kernel on its first run. The regions write the KV cache in
+# place, and around each timed run of a kernel that mutates an input Inductor saves and restores that input, in
+# host memory when a copy would not fit beside a cache that fills the GPU: ~6 s of a cold start-up on the H100
+# (session 20, cProfile). One config each, Inductor's default block for the size; the probe script flips this.
+AUTOTUNE_POINTWISE = False
+
+
 def compile_region(fn, combo: bool):
     """torch.compile as the engine's regions use it: dynamic shapes, one graph; with `combo`, Inductor's combo
     kernels."""
     configure_dynamo()
-    return torch.compile(fn, dynamic=True, fullgraph=True, options={"combo_kernels": True} if combo else None)
+    options = {"triton.autotune_pointwise": AUTOTUNE_POINTWISE}
+    if combo:
+        options["combo_kernels"] = True
+    return torch.compile(fn, dynamic=True, fullgraph=True, options=options)
 
 
 def fused(fn):

@@ -96,8 +96,10 @@ class ModelRunner:
         # Tensor parallelism (parallel/): checks, spawns the workers, joins their group; at TP=1 nothing.
         self.tp, self.workers = start_tensor_parallel(config, self.model_path)
         self.device = resolve_device(config.device)
+        started = time.perf_counter()
         with building_for(self.tp):  # this rank's shard of every layer, read from its slices of the checkpoint
             self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
+        logger.info("model loaded in %.1f s", time.perf_counter() - started)
         self.layers = self.model.attention_layers()
         # Before the backend is chosen; checked on positions up to the longest max_model_len can become.
         apply_mod_overrides(self.layers, config.mask_mod, config.score_mod,
@@ -133,7 +135,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.generator, self.compiled)
 
+        started = time.perf_counter()
         self.num_blocks = config.num_kv_blocks or agree_on_min(measure_num_blocks(self), self.tp)
+        logger.info("KV cache sized in %.1f s (a profiling step of the largest batch)", time.perf_counter() - started)
         self.max_model_len = choose_max_model_len(config, self.hf_config, self.num_blocks)
         # One page past the block manager's: padded rows of a captured batch write their K/V there.
         self.kv_cache = allocate_kv_cache(len(self.layers), self.num_blocks + 1, self.block_size, self.num_kv_heads,
@@ -295,7 +299,7 @@ class ModelRunner:
             num_kv_heads=self.num_kv_heads, params=self.param_dtypes(), scratch_slot=self.num_blocks * self.block_size,
             device=self.device)
         graphs.capture_all()
-        logger.info("captured %d decode CUDA graphs in %.1f s (batch: s %s), %.1f MiB", len(graphs.graphs),
+        logger.info("captured %d decode CUDA graphs in %.1f s (batch: (s, new graphs) %s), %.1f MiB", len(graphs.graphs),
                     graphs.capture_seconds, dict(sorted(graphs.bucket_seconds.items())), graphs.graph_bytes / 2 ** 20)
         return graphs
 
