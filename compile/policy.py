@@ -118,38 +118,39 @@ def reset_fused() -> None:
         wrapper.compiled = {}
 
 
-# Inductor times two configs of each new pointwise kernel on its first run. The regions write the KV cache in
-# place, and around each timed run of a kernel that mutates an input Inductor saves and restores that input, in
-# host memory when a copy would not fit beside a cache that fills the GPU: ~6 s of a cold start-up on the H100
-# (session 20, cProfile). One config each, Inductor's default block for the size; the probe script flips this.
-AUTOTUNE_POINTWISE = False
-
-
-def compile_region(fn, combo: bool):
+def compile_region(fn, combo: bool, autotune_pointwise: bool = True):
     """torch.compile as the engine's regions use it: dynamic shapes, one graph; with `combo`, Inductor's combo
-    kernels."""
+    kernels; without `autotune_pointwise`, one config per pointwise kernel (see `fused`)."""
     configure_dynamo()
-    options = {"triton.autotune_pointwise": AUTOTUNE_POINTWISE}
+    options = {"triton.autotune_pointwise": autotune_pointwise}
     if combo:
         options["combo_kernels"] = True
     return torch.compile(fn, dynamic=True, fullgraph=True, options=options)
 
 
-def fused(fn):
+def fused(fn=None, *, writes_kv_cache: bool = False):
     """Mark a pure step (a norm, rotary, an activation, a layer's work beside attention) for Inductor.
 
     Compiled with dynamic shapes, so every layer and every batch size shares the code (a module passed
     as `self` is inlined: its parameters are inputs, not constants), once for the batch-1 decode graph
-    (`decode_regions`) and once for the rest; inside a compiled region the plain function is traced instead. Off unless the
-    engine turns it on.
+    (`decode_regions`) and once for the rest; inside a compiled region the plain function is traced instead.
+    Off unless the engine turns it on.
+
+    `writes_kv_cache`: the step stores into the paged cache in place. Inductor times two configs of each new
+    pointwise kernel on its first run, saving and restoring a mutated input around each timed run, in host
+    memory when a copy does not fit beside a cache that fills the GPU: ~9 s of a cold start-up on the H100
+    (session 20). Such a step's pointwise kernels take Inductor's default config instead.
     """
+    if fn is None:
+        return functools.partial(fused, writes_kv_cache=writes_kv_cache)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if not _FUSE["enabled"] or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         combo = _FUSE["combo"]
         if combo not in wrapper.compiled:
-            wrapper.compiled[combo] = compile_region(fn, combo)
+            wrapper.compiled[combo] = compile_region(fn, combo, autotune_pointwise=not writes_kv_cache)
         return wrapper.compiled[combo](*args, **kwargs)
 
     wrapper.eager, wrapper.compiled = fn, {}

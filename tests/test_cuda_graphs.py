@@ -354,6 +354,33 @@ def test_compiled_layer_regions_match_eager(num_tokens):
     assert shapes and all(s.split(",")[0].strip() == shapes[0].split(",")[0].strip() for s in shapes), shapes
 
 
+def test_a_region_compiled_on_the_sizing_steps_cache_serves_the_real_one(gpu_shaped_engines):
+    """The KV-sizing step runs under inference_mode on a scratch cache; the engine's own cache is made outside
+    it. Dynamo guards on a tensor's dispatch keys, so the two must be the same kind of tensor, or every layer
+    region that writes the cache is compiled again for the real one."""
+    from flexengine.attention.kv_cache import allocate_kv_cache
+    from flexengine.compile import set_fused_elementwise
+    model = LLM(num_kv_blocks=16, enforce_eager=True).llm_engine.runner.model
+    layer, spec = model.model.layers[0], model.spec
+    attn = layer.self_attn.attn
+    x = torch.randn(3, spec.hidden_size)
+    cos, sin = model.model.rotary[model.model.rope_key[layer.layer_type]](torch.arange(3), x.dtype)
+    slots = torch.tensor([0, 1, 2])
+    cache = lambda: allocate_kv_cache(1, 4, 16, attn.num_kv_heads, attn.head_dim, x.dtype, "cpu")[0]  # noqa: E731
+    set_fused_elementwise(True)
+    try:
+        with torch.inference_mode():
+            layer.attention_inputs(x, None, None, cos, sin, *cache(), slots)  # the sizing step's
+        real = cache()
+        before = compile_count()
+        with torch.inference_mode():
+            layer.attention_inputs(x, None, None, cos, sin, *real, slots)
+    finally:
+        set_fused_elementwise(False)
+    assert compile_count() == before
+    assert real[0][:3].abs().sum() > 0  # the step's keys went into the real cache
+
+
 def per_request_softcap(score, b, h, q_idx, kv_idx, cap: float):
     return cap[b] * torch.tanh(score / cap[b])
 

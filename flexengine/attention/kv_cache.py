@@ -13,8 +13,12 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     compiled with two such views as K and V copied the whole tensor around each write (132 ms a call on
     the CPU for 2 × 100k slots)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    # Never inference tensors, whoever asks: dynamo guards on a tensor's dispatch keys, and a layer region
+    # compiled on the KV-sizing step's scratch cache (made under inference_mode) was compiled again for the real
+    # one (twice, with and without the residual additions: ~3 s of a cold start on the H100, session 20).
+    with torch.inference_mode(False):
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(num_layers)]
 
 
 def kv_cache_bytes(cache: list[tuple[torch.Tensor, torch.Tensor]]) -> int:

@@ -129,7 +129,7 @@ class DecoderLayer(nn.Module):
     # additions (attention's and the MLP's), and the next layer adds them inside its first norm's kernel. A
     # sum that ended a region would be stored by a kernel of its own (or, on one GPU, by cuBLAS's addmm and
     # a copy launch), one or two launches a layer at batch 1, where every launch costs about 1 µs of gap.
-    @fused
+    @fused(writes_kv_cache=True)
     def attention_inputs(self, x, attn_delta, mlp_delta, cos, sin, k_cache, v_cache, slot_mapping):
         """→ (the queries, the residual stream): x plus the last layer's additions (None in the first layer).
         The step's new K/V go into the paged cache here, so that Inductor stores them from the rotary kernel
