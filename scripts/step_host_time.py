@@ -17,7 +17,8 @@ The model's own launches are not counted (they are the graph replay, or the eage
 `--workload json|penalties` runs issue 20's workloads instead of plain sampling (every request under
 `bench_schema(0)`, or with the penalties and logit_bias `bench throughput --penalties` uses) and also times the
 whole host step (`LLMEngine._step`), its wait for the device (`InFlightStep.wait`), the grammar's
-`fill_token_mask` and `accept_tokens`, `LogitsAdjuster.__call__` and the sampler's launches. Per step, the
+`fill_token_mask` and `accept_tokens`, `LogitsAdjuster.__call__`, the sampler's launches and the scheduler, and
+outside the step each request's admission (`add_request`) and each step's outputs. The total column adds up. Per step, the
 wall time against the host's busy time (`_step` less the wait) says whether the host or the device bounds it.
 """
 from __future__ import annotations
@@ -98,6 +99,11 @@ def main() -> None:
     sampling_inputs.fill_token_mask = timed(times["  of which fill_token_mask"], sampling_inputs.fill_token_mask)
     llm_engine.accept_tokens = timed(times["  of which accept_tokens"], llm_engine.accept_tokens)
     LogitsAdjuster.__call__ = timed(times["  of which LogitsAdjuster.__call__"], LogitsAdjuster.__call__)
+    engine.scheduler.schedule = timed(times["  of which Scheduler.schedule"], engine.scheduler.schedule)
+    # outside _step, the rest of the caller's loop: each request's admission, each step's outputs
+    engine.add_request = timed(times["LLMEngine.add_request (outside _step)"], engine.add_request)
+    engine.output_processor.outputs = timed(times["OutputProcessor.outputs (outside _step)"],
+                                            engine.output_processor.outputs)
     for k, workload in enumerate(args.workload.split(",")):  # one engine for all of them
         prompts = random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, seed=k)
         params = sampling_params(workload, args.output_len, llm.llm_engine.vocab_size)
@@ -110,11 +116,11 @@ def main() -> None:
         print(f"# {workload} | {device} | torch {torch.__version__} | {args.model} | block_size "
               f"{llm.config.block_size} | {args.num_prompts} x {args.input_len} in x {args.output_len} out, "
               f"max_num_seqs {llm.config.max_num_seqs}, budget {llm.config.max_num_batched_tokens} | {wall:.2f} s")
-        print("| host function | calls | median µs | p90 µs |")
-        print("|---|---|---|---|")
+        print("| host function | calls | median µs | p90 µs | total ms |")
+        print("|---|---|---|---|---|")
         for name, t in times.items():
             if t:
-                print(f"| {name} | {len(t)} | {np.median(t):.0f} | {np.percentile(t, 90):.0f} |")
+                print(f"| {name} | {len(t)} | {np.median(t):.0f} | {np.percentile(t, 90):.0f} | {sum(t) / 1e3:.1f} |")
         print(f"per step: wall {wall * 1e6 / len(steps):.0f} µs, host busy {(sum(steps) - sum(waits)) / len(steps):.0f} µs "
               f"(_step less its waits for the device; the rest of the wall is the caller's loop)\n", flush=True)
 
