@@ -10,11 +10,59 @@ instead.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
-from .policy import bucket, decode_buckets, tile_bucket, tile_buckets
+from .policy import allow_recompiles, bucket, decode_buckets, tile_bucket, tile_buckets
+
+logger = logging.getLogger(__name__)
+
+
+def compile_steps(runner) -> None:
+    """Start-up's compile work, before the first request. Static shapes (flex): one step per prefill bucket,
+    then, with CUDA graphs, each decode bucket's graph and the graph of every step layout with prompt tokens
+    (without graphs, one step per decode bucket). Unpadded steps (flash): the layer regions, compiled once for
+    every length. Sets runner.decode_graphs and runner.mixed_graphs; logs each part's seconds."""
+    if not runner.static_shapes:
+        logger.info("warm-up (compiled layers, %s kernels): %.1f s", runner.backend.name, warm_up_unpadded(runner))
+        return
+    allow_recompiles(shape_classes(runner))
+    # Decode shapes are compiled by the graph capture; without graphs, by the warm-up.
+    logger.info("warm-up (compiles every step shape): %.1f s", warm_up_steps(runner, decode=not runner.compiled))
+    if not runner.compiled:
+        return
+    runner.decode_graphs = capture_decode_graphs(runner)
+    runner.mixed_graphs = mixed_graph_runner(runner, runner.decode_graphs.pool)
+    if runner.mixed_graphs.use_graphs:
+        started = time.perf_counter()
+        count = capture_mixed_graphs(runner)
+        logger.info("captured %d CUDA graphs for steps with prompt tokens in %.1f s", count,
+                    time.perf_counter() - started)
+
+
+def capture_decode_graphs(runner):
+    from .cuda_graphs import DecodeGraphRunner
+    graphs = DecodeGraphRunner(
+        runner.forward_logits, runner.backend, runner.mods, max_num_seqs=runner.config.max_num_seqs,
+        block_size=runner.block_size, num_blocks=runner.num_blocks + 1, table_width=runner.table_width,
+        num_kv_heads=runner.num_kv_heads, params=runner.param_dtypes(),
+        scratch_slot=runner.num_blocks * runner.block_size, device=runner.device)
+    graphs.capture_all()
+    logger.info("captured %d decode CUDA graphs in %.1f s (batch: (s, new graphs) %s), %.1f MiB", len(graphs.graphs),
+                graphs.capture_seconds, dict(sorted(graphs.bucket_seconds.items())), graphs.graph_bytes / 2 ** 20)
+    return graphs
+
+
+def mixed_graph_runner(runner, pool):
+    """Graphs for steps with prompt tokens (mixed_graphs.py), captured by capture_mixed_graphs."""
+    from .mixed_graphs import MixedGraphRunner
+    return MixedGraphRunner(
+        runner.run_model, runner.backend, runner.mods, rows=runner.config.max_num_seqs,
+        table_width=runner.table_width, block_size=runner.block_size, num_blocks=runner.num_blocks + 1,
+        params=runner.param_dtypes(), scratch_slot=runner.num_blocks * runner.block_size, device=runner.device,
+        workspace_pages=runner.backend.workspace_pages, pool=pool)
 
 
 def max_prefill_tiles(max_num_batched_tokens: int) -> int:

@@ -147,24 +147,9 @@ class ModelRunner:
         self.table_width = -(-self.max_model_len // self.block_size)
         self.decode_graphs = self.mixed_graphs = None
         self.decode_tracker = DecodeTracker()
-        if self.static_shapes:
-            from ..compile import allow_recompiles
-            from ..compile.warmup import shape_classes, warm_up_steps
-            allow_recompiles(shape_classes(self))
-            # Decode shapes are compiled by the graph capture; without graphs, by the warm-up.
-            logger.info("warm-up (compiles every step shape): %.1f s", warm_up_steps(self, decode=not self.compiled))
-            if self.compiled:
-                self.decode_graphs = self.capture_decode_graphs()
-                self.mixed_graphs = self.mixed_graph_runner(self.decode_graphs.pool)
-                if self.mixed_graphs.use_graphs:
-                    from ..compile.warmup import capture_mixed_graphs
-                    started = time.perf_counter()
-                    count = capture_mixed_graphs(self)
-                    logger.info("captured %d CUDA graphs for steps with prompt tokens in %.1f s", count,
-                                time.perf_counter() - started)
-        elif self.compiled:  # flash: unpadded steps, no graphs; the compiled layer regions are dynamic in T
-            from ..compile.warmup import warm_up_unpadded
-            logger.info("warm-up (compiled layers, %s kernels): %.1f s", self.backend.name, warm_up_unpadded(self))
+        if self.compiled or self.static_shapes:
+            from ..compile.warmup import compile_steps
+            compile_steps(self)  # every step shape compiled (and captured) before the first request
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; max_model_len %d", self.num_blocks,
                     self.block_size, self.num_blocks * bytes_per_block(self) / 2 ** 20, self.device,
                     self.max_model_len)
@@ -291,18 +276,6 @@ class ModelRunner:
     def forward_logits(self, input_ids, positions, meta) -> torch.Tensor:
         return self.model.compute_logits(self.run_model(input_ids, positions, meta))
 
-    def capture_decode_graphs(self):
-        from ..compile.cuda_graphs import DecodeGraphRunner
-        graphs = DecodeGraphRunner(
-            self.forward_logits, self.backend, self.mods, max_num_seqs=self.config.max_num_seqs,
-            block_size=self.block_size, num_blocks=self.num_blocks + 1, table_width=self.table_width,
-            num_kv_heads=self.num_kv_heads, params=self.param_dtypes(), scratch_slot=self.num_blocks * self.block_size,
-            device=self.device)
-        graphs.capture_all()
-        logger.info("captured %d decode CUDA graphs in %.1f s (batch: (s, new graphs) %s), %.1f MiB", len(graphs.graphs),
-                    graphs.capture_seconds, dict(sorted(graphs.bucket_seconds.items())), graphs.graph_bytes / 2 ** 20)
-        return graphs
-
     def release_graphs(self) -> None:
         """Drop the CUDA graphs: one that captured NCCL calls holds its communicator, and the tensor-parallel
         group cannot be left while any does (parallel/state.py)."""
@@ -310,15 +283,6 @@ class ModelRunner:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def mixed_graph_runner(self, pool):
-        """Graphs for steps with prompt tokens (compile/mixed_graphs.py); the caller captures them at start-up."""
-        from ..compile.mixed_graphs import MixedGraphRunner
-        return MixedGraphRunner(
-            self.run_model, self.backend, self.mods, rows=self.config.max_num_seqs, table_width=self.table_width,
-            block_size=self.block_size, num_blocks=self.num_blocks + 1,
-            params=self.param_dtypes(), scratch_slot=self.num_blocks * self.block_size, device=self.device,
-            workspace_pages=self.backend.workspace_pages, pool=pool)
 
     def param_dtypes(self) -> dict[str, torch.dtype]:
         """{per-request parameter: its dtype}, sorted by name: what a CUDA graph's static buffers hold."""
