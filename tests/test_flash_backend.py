@@ -7,6 +7,7 @@ attention with plain torch, so the backend's output can be compared with the ref
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import random
 import sys
 import types
@@ -196,6 +197,29 @@ def test_fa2_page_size_rule_and_provider_order(providers, caplog):
     assert get_backend("flash", CAUSAL, head_dim=64, block_size=16).provider.label == "FA4"
     providers("FA3", "FA2", "FA4")
     assert flash.find_flash_provider(16) == "flash_attn_interface"
+
+
+@pytest.mark.parametrize("user_value", [None, "0"])
+def test_fa4_keeps_its_compiled_kernels_on_disk_unless_the_user_said_no(providers, monkeypatch, user_value):
+    """FA4 reads FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED when flash_attn.cute is imported: the engine turns it on
+    before importing it (a second start on one machine then loads FA4's kernels), and leaves a user's value."""
+    from flexengine.attention.backends import prefill_kernel
+    if user_value is None:
+        monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", user_value)
+    providers("FA4")
+    seen = []
+    with monkeypatch.context() as m:  # (importlib is the interpreter's own: undone before torch imports more)
+        m.setattr(flash.importlib, "import_module",
+                  lambda name: seen.append(os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")) or sys.modules[name])
+        flash.load_kernel(flash.PROVIDERS[-1])  # the flash backend's import of flash_attn.cute
+    assert seen == [user_value or "1"]
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
+    prefill_kernel.fa4_installed.cache_clear()  # flex's prefill kernel asks before torch imports it
+    prefill_kernel.fa4_installed()
+    prefill_kernel.fa4_installed.cache_clear()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
 
 
 def test_dtype_other_than_half_is_refused(providers):

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...config import fa4_disk_cache_default
 from ...masks import causal, mod_name
 from ..metadata import AttentionMetadata
 from ..staging import to_device
@@ -128,6 +129,7 @@ def load_kernel(provider: Provider, error: Unsupported | None = None):
     """The provider's paged entry point, or an Unsupported reason if importing it fails."""
     if error is not None:
         return error
+    fa4_disk_cache_default()
     try:
         module = importlib.import_module(provider.module)
     except ImportError as e:  # reported, never swallowed: auto notes it once, explicit flash raises it

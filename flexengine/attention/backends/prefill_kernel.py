@@ -15,11 +15,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 
 import torch
 
-from ...config import env_flex_prefill_kernel
+from ...config import env_flex_prefill_kernel, fa4_disk_cache_default
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +38,7 @@ def triton_options(head_dim: int) -> dict:
 @functools.cache
 def fa4_installed() -> str | None:
     """None when flex can compile into FA4 here, else why not (checked once)."""
-    # FA4 compiles each kernel it is asked for through CuTe DSL (~10 s at start-up on the H100, session 20) and
-    # keeps the result on disk only when asked: a second start on one machine then loads it. Read at its import.
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    fa4_disk_cache_default()
     try:
         from torch._inductor.kernel.flex.flex_flash_attention import ensure_flash_available
     except ImportError:
