@@ -138,7 +138,7 @@ def fused(fn=None, *, writes_kv_cache: bool = False):
 
     `writes_kv_cache`: the step stores into the paged cache in place. Inductor times two configs of each new
     pointwise kernel on its first run, saving and restoring a mutated input around each timed run, in host
-    memory when a copy does not fit beside a cache that fills the GPU: ~9 s of a cold start-up on the H100
+    memory when a copy does not fit beside a cache that fills the GPU: ~6 s of a cold start-up on the H100
     (session 20). Such a step's pointwise kernels take Inductor's default config instead.
     """
     if fn is None:

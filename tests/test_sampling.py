@@ -300,3 +300,61 @@ def test_compiled_temperature_sample_equals_eager(monkeypatch, tmp_path):
         assert torch.equal(got, want), n
         assert torch.equal(want[::3], logits[::3].argmax(-1))  # temperature 0: greedy
     assert compile_count() - before <= 2
+
+
+def masked_plainly(logits, rows, bitmask, vocab_size):
+    """The token mask written out: row rows[i] keeps id j iff j is one of the tokenizer's ids (< vocab_size),
+    word j // 32 of bitmask row i exists, and its bit j % 32 is set."""
+    out = logits.clone()
+    W = bitmask.shape[1]
+    for i, r in enumerate(rows.tolist()):
+        for j in range(logits.shape[1]):
+            if not (j < vocab_size and j // 32 < W and (int(bitmask[i, j // 32]) >> (j % 32)) & 1):
+                out[r, j] = float("-inf")
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(V=st.integers(1, 100), N=st.integers(1, 5), data=st.data())
+def test_token_mask_formulations_match_the_plain_one(V, N, data):
+    """Both ways the sampler masks grammar rows (bits unpacked to bytes on a CPU, a word per logit under
+    Inductor), run eagerly, against the plain loop: bitmasks narrower and wider than the logits, a tokenizer
+    vocabulary ending inside the last word."""
+    from flexengine.layers.sampler import apply_token_mask, mask_by_bitmask
+    rows = torch.tensor(sorted(data.draw(st.sets(st.integers(0, N - 1), min_size=1))))
+    W = data.draw(st.integers(max(1, -(-V // 32) - 2), -(-V // 32) + 2))
+    T = data.draw(st.integers(max(1, 32 * W - 31), 32 * W))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))
+    logits = torch.randn(N, V, generator=g)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), W), dtype=torch.int32, generator=g)
+    want = masked_plainly(logits, rows, bitmask, T)
+    assert torch.equal(apply_token_mask(logits.clone(), rows, bitmask, T), want)
+    assert torch.equal(mask_by_bitmask.eager(logits.clone(), rows, bitmask, T), want)
+
+
+def test_compiled_token_mask_equals_eager_and_is_warmed_up(monkeypatch, tmp_path):
+    """The CUDA engine's token mask (Sampler.mask with compiled=True), through Inductor here on the CPU, against
+    the CPU's eager one: a 128k vocabulary's width, padded past the tokenizer's ids, one grammar row or several
+    among one sampled row or several. Sampler.warm_up compiles every graph these need (a first JSON request
+    would otherwise wait for a compile)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from flexengine.compile import compile_count, configure_dynamo, reset_fused
+    from flexengine.layers.sampler import TokenMask
+    torch._dynamo.reset()
+    reset_fused()
+    configure_dynamo()
+    g = torch.Generator().manual_seed(0)
+    V, T = 32 * 4008 + 8, 32 * 4008 - 5  # logits padded past the tokenizer's ids
+    sampler = Sampler(compiled=True)
+    sampler.warm_up(V, "cpu")
+    before = compile_count()
+    for n, rows in ((4, [0, 2, 3]), (1, [0]), (9, [1, 4, 5, 8]), (6, [5])):
+        with torch.inference_mode():  # as the engine makes and samples them
+            logits = torch.randn(n, V, generator=g)
+            bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), -(-T // 32)), dtype=torch.int32, generator=g)
+            m = TokenMask(torch.tensor(rows), bitmask, T)
+            want = Sampler(compiled=False).mask(logits.clone(), m)
+            got = sampler.mask(logits.clone(), m)
+        assert torch.equal(got, want), n
+        assert torch.isinf(want[rows, T:]).all() and (want[rows] > float("-inf")).any()
+    assert compile_count() == before

@@ -26,7 +26,7 @@ except ImportError:
 from flexengine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from flexengine.engine.scheduler import multi_step_ok  # noqa: E402
 from flexengine.engine.structured_outputs import Grammars  # noqa: E402
-from flexengine.layers.sampler import apply_token_mask  # noqa: E402
+from flexengine.layers.sampler import Sampler, TokenMask, apply_token_mask  # noqa: E402
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "enum": ["ann", "bob", "cy"]},
@@ -389,7 +389,10 @@ def test_token_mask_on_cuda_matches_xgrammars_kernel():
         full = torch.full((6, W), -1, dtype=torch.int32, device="cuda")
         full[rows] = bitmask[rows]
         xgr.apply_token_bitmask_inplace(want, full, vocab_size=V)
-        assert torch.equal(apply_token_mask(logits, rows, bitmask[rows], V), want)
+        assert torch.equal(apply_token_mask(logits.clone(), rows, bitmask[rows], V), want)
+        with torch.inference_mode():  # the CUDA engine's way: through Inductor (Sampler.mask)
+            m = TokenMask(rows.clone(), bitmask[rows].clone(), V)
+            assert torch.equal(Sampler(compiled=True).mask(logits.clone(), m), want)
 
 
 @pytest.mark.gpu

@@ -96,7 +96,7 @@ class ModelRunner:
         # Tensor parallelism (parallel/): checks, spawns the workers, joins their group; at TP=1 nothing.
         self.tp, self.workers = start_tensor_parallel(config, self.model_path)
         self.device = resolve_device(config.device)
-        started = time.perf_counter()
+        began = started = time.perf_counter()
         with building_for(self.tp):  # this rank's shard of every layer, read from its slices of the checkpoint
             self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
         logger.info("model loaded in %.1f s", time.perf_counter() - started)
@@ -153,6 +153,10 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; max_model_len %d", self.num_blocks,
                     self.block_size, self.num_blocks * bytes_per_block(self) / 2 ** 20, self.device,
                     self.max_model_len)
+        if self.compiled:  # (as vLLM logs its engine's start-up)
+            logger.info("engine ready in %.1f s: load, KV sizing, compiles, graph capture (a machine's first start "
+                        "compiles every kernel; later ones read most from the compile caches)",
+                        time.perf_counter() - began)
         if self.workers is not None:  # rank 0: from here on, each step is announced to the workers
             drive_workers(self, self.workers)
 
