@@ -6,6 +6,11 @@ requests already streaming).
     python3 scripts/profile_step.py --model /tmp/llama1b [--num-prompts 256 --input-len 256 --output-len 256]
     python3 scripts/profile_step.py --model /tmp/llama1b --request-rate 16   # arrivals as a server sees them
     python3 scripts/profile_step.py --model /dev/shm/llama8b --tensor-parallel-size 2   # rank 0's kernels, all-reduces apart
+    python3 scripts/profile_step.py --model /tmp/llama1b --decode-workload json   # issue 20: JSON-mode decode steps
+
+`--decode-workload json` profiles the decode steps with every request under `bench throughput`'s first JSON schema
+(temperature 1): a GPU busy share well under the plain steps' says the host's grammar work (accepting tokens,
+filling masks) holds the device back.
 """
 from __future__ import annotations
 
@@ -88,13 +93,20 @@ def step_kinds(llm, prompts, output_len: int, request_rate: float) -> None:
 UNLIMITED = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0)
 
 
-def start_decoding(engine, ids: list[str], prompts: list[list[int]]) -> None:
+def json_params() -> SamplingParams:
+    """Every request under bench throughput's first schema; a grammar may end a request (then it stops)."""
+    from flexengine import StructuredOutputsParams
+    from flexengine.benchmarks.throughput import bench_schema
+    return SamplingParams(max_tokens=None, temperature=1.0, structured_outputs=StructuredOutputsParams(json=bench_schema(0)))
+
+
+def start_decoding(engine, ids: list[str], prompts: list[list[int]], params: SamplingParams = UNLIMITED) -> None:
     """Add the requests and step until every prompt is prefilled, plus one step.
 
     Prefill takes several steps, so requests run without a token limit (UNLIMITED) and are aborted
     afterwards: with one, the first admitted could finish before the last were prefilled."""
     for rid, p in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": p}, UNLIMITED, final_only=True)
+        engine.add_request(rid, {"prompt_token_ids": p}, params, final_only=True)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()
@@ -128,17 +140,20 @@ def print_kernels(prof, steps: int, wall: float, what: str) -> None:
         print(f"| {name[:90]} | {count / steps:.1f} | {us / steps:.1f} |")
 
 
-def profile_decode(llm, batch: int, input_len: int, steps: int = 8) -> None:
+def profile_decode(llm, batch: int, input_len: int, steps: int = 8, workload: str = "plain") -> None:
     """Bring `batch` requests to decode, then profile `steps` pure decode steps of all of them."""
     engine = llm.llm_engine
     ids = [f"p{batch}-{i}" for i in range(batch)]
-    start_decoding(engine, ids, random_prompts(batch, input_len, engine.vocab_size, seed=batch))
+    params = json_params() if workload == "json" else UNLIMITED
+    start_decoding(engine, ids, random_prompts(batch, input_len, engine.vocab_size, seed=batch), params)
     engine.step()
     prof, wall = profiled_steps(engine, steps)
-    assert len(engine.scheduler.running) == batch, "a request finished or was preempted while profiling"
+    running = len(engine.scheduler.running)
+    assert running == batch or workload == "json", "a request finished or was preempted while profiling"
     for rid in ids:
         engine.abort_request(rid)
-    print_kernels(prof, steps, wall, f"decode batch {batch}")
+    print_kernels(prof, steps, wall, f"{workload} decode batch {batch}" + (
+        f" ({running} still running at the end)" if running != batch else ""))
 
 
 def profile_arrival(llm, batch: int, input_len: int) -> None:
@@ -166,6 +181,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--decode-batches", default="1,64,256")
+    p.add_argument("--decode-workload", default="plain", choices=["plain", "json"],
+                   help="the profiled decode steps' requests: greedy, or under a JSON schema (xgrammar)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="prompts arrive at this Poisson rate (per second) and stream, as at a server")
     p.add_argument("--arrival-batch", type=int, default=32,
@@ -185,7 +202,7 @@ def main() -> None:
     step_kinds(llm, random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, 0), args.output_len,
                args.request_rate)
     for b in map(int, args.decode_batches.split(",")):
-        profile_decode(llm, b, args.input_len)
+        profile_decode(llm, b, args.input_len, workload=args.decode_workload)
     if args.arrival_batch:
         profile_arrival(llm, args.arrival_batch, args.input_len)
 
