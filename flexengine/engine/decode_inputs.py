@@ -45,8 +45,14 @@ def pack_decode(seqs, block_size: int) -> np.ndarray:
 @dataclass
 class MovedOn:
     """A decode step whose batch is the last one's, each request one token on."""
-    ids: np.ndarray       # int64 [R]: each row's input token (a PENDING one is fed on the device)
+    seqs: list
     new_pages: np.ndarray  # int64 [3, k]: row, table column and page of each page appended since
+
+    @property
+    def ids(self) -> np.ndarray:
+        """int64 [R]: each row's input token (a PENDING one is fed on the device). Made only when asked: with
+        async scheduling every row's token is the last step's sample, already on the device."""
+        return last_tokens(self.seqs)
 
 
 @dataclass
@@ -83,4 +89,4 @@ class DecodeTracker:
             return None
         grown = np.nonzero(lens > last.lens)[0].tolist()
         new = [(i, j, tables[i][j]) for i in grown for j in range(last.lens[i], lens[i])]
-        return MovedOn(last_tokens(seqs), np.asarray(new, dtype=np.int64).reshape(-1, 3).T.copy())
+        return MovedOn(seqs, np.asarray(new, dtype=np.int64).reshape(-1, 3).T.copy())
