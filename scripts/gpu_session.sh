@@ -8,7 +8,8 @@
 # 256), long_context (8k-64k prompts' prefill vs transformers' forward), profile_long (one 64k prefill's
 # kernels), throughput, latency (batch 1), eager (throughput and latency with --enforce-eager), sync (the same
 # two without async scheduling), serve
-# (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), metadata_probe
+# (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), startup (scripts/startup_time.py twice:
+# a first start with empty compile caches, then a second that reads them), metadata_probe
 # (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
 # (scripts/step_host_time.py: host time of each step's inputs), host_sampling (the same for issue 20's JSON and
 # penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), splits
@@ -133,6 +134,9 @@ for stage in ${*:-tests attention compare latency}; do
            # issue 20: is a JSON or penalised step bound by the host or the device? One engine, 256 x 256 x 64 each
            step step_host_sampling 300 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 \
              scripts/step_host_time.py --model "$MODEL_DIR" --output-len 64 --workload plain,json,penalties; } ;;
+    startup) model && for run in first second; do  # issue 24: LLM(path) at the default max_model_len, twice on one box
+             step "startup_$run" 200 python3 scripts/startup_time.py --cache-dir /tmp/startup_caches --model "$MODEL_DIR" \
+               --dtype bfloat16 ${ENGINE_ARGS:-}; done ;;  # the first run fills the (empty) caches, the second reads them
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) step softcap_probe 200 python3 scripts/softcap_probe.py ;;  # what a softcap score mod costs in FA4

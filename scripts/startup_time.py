@@ -1,4 +1,4 @@
-"""Start-up of an engine as a fresh box sees it: Inductor's and Triton's caches point at new, empty folders.
+"""Start-up of an engine as a fresh box sees it: Inductor's, Triton's and FA4's caches point at new, empty folders.
 
     python scripts/startup_time.py --model DIR [--dtype bfloat16] [engine flags ...]
 
@@ -22,6 +22,7 @@ def main() -> None:
     # before torch is imported: Inductor and Triton read these once
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = os.path.join(root, "fa4")  # FA4's compiled kernels too
     from flexengine.benchmarks.common import add_engine_arguments, build_llm
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
