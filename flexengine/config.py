@@ -96,13 +96,6 @@ def env_split_kv() -> str:
 COMBO_KERNELS_ENV = "FLEXENGINE_COMBO_KERNELS"
 
 
-def fa4_disk_cache_default() -> None:
-    """FA4 compiles each kernel it is asked for through CuTe DSL (~10 s of a start-up on the H100, session 20) and
-    keeps the result on disk only when FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 at its import: a second start on
-    one machine then loads it. On unless the user set it; called before anything imports flash_attn.cute."""
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-
-
 def env_combo_kernels() -> bool:
     """Inductor's combo kernels in the batch-1 decode graph's compiled regions (compile.decode_regions) and the
     step helpers: data-independent kernels of one region (the queries' rotary and the two cache writes) launched
@@ -112,6 +105,13 @@ def env_combo_kernels() -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{COMBO_KERNELS_ENV} must be 0 or 1, got {value!r}")
     return value != "0"
+
+
+def fa4_disk_cache_default() -> None:
+    """FA4 compiles each kernel it is asked for through CuTe DSL (~10 s of a start-up on the H100, session 20) and
+    keeps the result on disk only when FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 at its import: a second start on
+    one machine then loads it. On unless the user set it; called before anything imports flash_attn.cute."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
 
 
 def env_api_key() -> str | None:
