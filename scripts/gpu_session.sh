@@ -2,7 +2,7 @@
 # One device call: install, then the named stages in order, under one time budget (a stage that no
 # longer fits is skipped, and says so). Logs land in $OUT (or ./bench_out); a summary comes last.
 #   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
-# Stages: tests (pytest -m gpu), tests_attention (the attention kernels' GPU tests), attention (kernel
+# Stages: tests (pytest -m gpu; TESTS="files" narrows it), tests_attention (the attention kernels' GPU tests), attention (kernel
 # table), attention_window (the same with sliding_window(1024) + softcap(30)), compare (flexengine vs
 # transformers generate_batch, 256 x 256 x 256), prompt_heavy (the same, 64 x 2048 x 16), long (16 x 6144 x
 # 256), long_context (8k-64k prompts' prefill vs transformers' forward), profile_long (one 64k prefill's
@@ -96,7 +96,7 @@ for stage in ${*:-tests attention compare latency}; do
   case $stage in
     tests) carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1  # xgrammar for the JSON-mode tests, if carried
            step gpu_tests 520 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -m gpu -q \
-             -p no:randomly -rfs --tb=short tests ;;
+             -p no:randomly -rfs --tb=short ${TESTS:-tests} ;;  # TESTS="tests/a.py tests/b.py": those files only
     tests_attention) step gpu_tests_attention 300 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short \
            tests/test_paged_attention.py tests/test_gym_mods.py tests/test_metadata.py tests/test_custom_attention.py \
            tests/test_cuda_graphs.py ;;  # the kernels' correctness only (the whole GPU suite: tests)
