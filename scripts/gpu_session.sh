@@ -159,7 +159,9 @@ for stage in ${*:-tests attention compare latency}; do
            for size in 1 2; do bench_tp throughput "$size" --num-prompts 256 --input-len 256 --output-len 256; done  # >= 1.3x
            step profile_tp2 240 python3 scripts/profile_step.py --model "$MODEL8B_DIR" -tp 2 --num-prompts 64 \
              --output-len 16 --decode-batches 1,256 --arrival-batch 0; } ;;  # the all-reduces' share of a decode step
-    profile) model && step profile 240 python3 scripts/profile_step.py --model "$MODEL_DIR" ${PROFILE_ARGS:-} ;;
+    profile) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1  # xgrammar for --decode-workload json
+           step profile 240 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 scripts/profile_step.py \
+             --model "$MODEL_DIR" ${PROFILE_ARGS:-}; } ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -302,44 +302,58 @@ def test_compiled_temperature_sample_equals_eager(monkeypatch, tmp_path):
     assert compile_count() - before <= 2
 
 
-def masked_plainly(logits, rows, bitmask, vocab_size):
-    """The token mask written out: row rows[i] keeps id j iff j is one of the tokenizer's ids (< vocab_size),
-    word j // 32 of bitmask row i exists, and its bit j % 32 is set."""
+def masked_plainly(logits, bitmask, limit):
+    """The token mask written out: row n keeps id j iff j < limit[n] and either j is past the bitmask's words or
+    bit j % 32 of word j // 32 of row n is set."""
     out = logits.clone()
     W = bitmask.shape[1]
-    for i, r in enumerate(rows.tolist()):
+    for n in range(logits.shape[0]):
         for j in range(logits.shape[1]):
-            if not (j < vocab_size and j // 32 < W and (int(bitmask[i, j // 32]) >> (j % 32)) & 1):
-                out[r, j] = float("-inf")
+            if not (j < int(limit[n]) and (j >= 32 * W or (int(bitmask[n, j // 32]) >> (j % 32)) & 1)):
+                out[n, j] = float("-inf")
     return out
+
+
+def random_token_mask(data, N, V):
+    """A TokenMask as fill_token_mask makes it: some grammar rows (their words at random, the tokenizer's ids T
+    ending inside the last word, bitmasks narrower and wider than the logits), the other rows unmasked."""
+    from flexengine.layers.sampler import NO_LIMIT, TokenMask
+    rows = sorted(data.draw(st.sets(st.integers(0, N - 1), min_size=1)))
+    W = data.draw(st.integers(max(1, -(-V // 32) - 2), -(-V // 32) + 2))
+    T = data.draw(st.integers(max(1, 32 * W - 31), 32 * W))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))
+    bitmask = torch.full((N, W), -1, dtype=torch.int32)
+    bitmask[rows] = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), W), dtype=torch.int32, generator=g)
+    limit = torch.full((N,), NO_LIMIT, dtype=torch.int32)
+    limit[rows] = T
+    return TokenMask(bitmask, limit), torch.randn(N, V, generator=g)
 
 
 @settings(max_examples=30, deadline=None)
 @given(V=st.integers(1, 100), N=st.integers(1, 5), data=st.data())
 def test_token_mask_formulations_match_the_plain_one(V, N, data):
-    """Both ways the sampler masks grammar rows (bits unpacked to bytes on a CPU, a word per logit under
-    Inductor), run eagerly, against the plain loop: bitmasks narrower and wider than the logits, a tokenizer
-    vocabulary ending inside the last word."""
-    from flexengine.layers.sampler import apply_token_mask, mask_by_bitmask
-    rows = torch.tensor(sorted(data.draw(st.sets(st.integers(0, N - 1), min_size=1))))
-    W = data.draw(st.integers(max(1, -(-V // 32) - 2), -(-V // 32) + 2))
-    T = data.draw(st.integers(max(1, 32 * W - 31), 32 * W))
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))
-    logits = torch.randn(N, V, generator=g)
-    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), W), dtype=torch.int32, generator=g)
-    want = masked_plainly(logits, rows, bitmask, T)
-    assert torch.equal(apply_token_mask(logits.clone(), rows, bitmask, T), want)
-    assert torch.equal(mask_by_bitmask.eager(logits.clone(), rows, bitmask, T), want)
+    """Every way the sampler masks (bits unpacked to bytes on a CPU; a word per logit under Inductor, alone or
+    inside the sampling kernel), run eagerly, against the plain loop."""
+    from flexengine.layers.sampler import apply_token_mask, mask_by_bitmask, temperature_sample
+    m, logits = random_token_mask(data, N, V)
+    want = masked_plainly(logits, m.bitmask, m.limit)
+    assert torch.equal(apply_token_mask(logits.clone(), m.bitmask, m.limit), want)
+    assert torch.equal(mask_by_bitmask.eager(logits.clone(), m.bitmask, m.limit), want)
+    temperature = torch.tensor([0.0, 1.0] * N)[:N]  # greedy rows: the masked argmax; the others: an allowed id
+    ids = temperature_sample.eager(logits.clone(), temperature, torch.ones(N, V), (m.bitmask, m.limit))
+    assert torch.equal(ids[::2], want[::2].argmax(-1))
+    assert all(want[n, ids[n]] > float("-inf") for n in range(N) if (want[n] > float("-inf")).any())
 
 
 def test_compiled_token_mask_equals_eager_and_is_warmed_up(monkeypatch, tmp_path):
-    """The CUDA engine's token mask (Sampler.mask with compiled=True), through Inductor here on the CPU, against
-    the CPU's eager one: a 128k vocabulary's width, padded past the tokenizer's ids, one grammar row or several
-    among one sampled row or several. Sampler.warm_up compiles every graph these need (a first JSON request
-    would otherwise wait for a compile)."""
+    """The CUDA engine's token masks (Sampler.mask, and temperature_sample's own), through Inductor here on the
+    CPU, against the CPU's eager one: a 128k vocabulary's width, padded past the tokenizer's ids, one grammar row
+    or several among one sampled row or several. Sampler.warm_up compiles every graph these need (a first JSON
+    request would otherwise wait for a compile)."""
+    pytest.importorskip("xgrammar")  # warm_up compiles the masks only where JSON mode can run
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    from flexengine.compile import compile_count, configure_dynamo, reset_fused
-    from flexengine.layers.sampler import TokenMask
+    from flexengine.compile import compile_count, configure_dynamo, fused_elementwise, reset_fused
+    from flexengine.layers.sampler import NO_LIMIT, TokenMask, temperature_sample
     torch._dynamo.reset()
     reset_fused()
     configure_dynamo()
@@ -351,10 +365,20 @@ def test_compiled_token_mask_equals_eager_and_is_warmed_up(monkeypatch, tmp_path
     for n, rows in ((4, [0, 2, 3]), (1, [0]), (9, [1, 4, 5, 8]), (6, [5])):
         with torch.inference_mode():  # as the engine makes and samples them
             logits = torch.randn(n, V, generator=g)
-            bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), -(-T // 32)), dtype=torch.int32, generator=g)
-            m = TokenMask(torch.tensor(rows), bitmask, T)
+            bitmask = torch.full((n, -(-T // 32)), -1, dtype=torch.int32)
+            bitmask[rows] = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), bitmask.shape[1]), dtype=torch.int32,
+                                          generator=g)
+            limit = torch.full((n,), NO_LIMIT, dtype=torch.int32)
+            limit[rows] = T
+            m = TokenMask(bitmask, limit)
             want = Sampler(compiled=False).mask(logits.clone(), m)
             got = sampler.mask(logits.clone(), m)
+            temperature = torch.zeros(n)
+            with fused_elementwise(True):
+                greedy = temperature_sample(logits.clone(), temperature, torch.ones(n, V), (bitmask, limit))
         assert torch.equal(got, want), n
+        assert torch.equal(greedy, want.argmax(-1)), n
         assert torch.isinf(want[rows, T:]).all() and (want[rows] > float("-inf")).any()
+        free = [r for r in range(n) if r not in rows]
+        assert torch.equal(want[free], logits[free])
     assert compile_count() == before

@@ -26,7 +26,7 @@ except ImportError:
 from flexengine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from flexengine.engine.scheduler import multi_step_ok  # noqa: E402
 from flexengine.engine.structured_outputs import Grammars  # noqa: E402
-from flexengine.layers.sampler import Sampler, TokenMask, apply_token_mask  # noqa: E402
+from flexengine.layers.sampler import NO_LIMIT, Sampler, TokenMask, apply_token_mask  # noqa: E402
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "enum": ["ann", "bob", "cy"]},
@@ -273,6 +273,34 @@ def test_grammar_requests_are_not_decoded_by_multi_step():
     assert not multi_step_ok(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
 
 
+def xgrammar_masked(logits, rows, bitmask, T):
+    """xgrammar.apply_token_bitmask_inplace on the grammar rows `rows` of `logits` (bitmask: theirs), every other
+    row unmasked, then the ids past the tokenizer's (T) banned in the grammar rows, as the engine does."""
+    N, V = logits.shape
+    W = bitmask.shape[1]
+    # xgrammar's CPU kernel (0.2.8) corrupts the heap past logits whose width is not a multiple of 32 (one
+    # more reason the sampler unpacks the bits itself): give it whole words, and no words past the vocabulary
+    words = -(-V // 32)
+    want = torch.cat([logits, torch.zeros(N, words * 32 - V, device=logits.device)], dim=1)
+    full = torch.full((N, words), -1, dtype=torch.int32, device=logits.device)
+    full[rows] = torch.cat([bitmask, torch.full((len(rows), max(0, words - W)), -1, dtype=torch.int32,
+                                                device=logits.device)], dim=1)[:, :words]
+    xgr.apply_token_bitmask_inplace(want, full, vocab_size=V)
+    want = want[:, :V]
+    if T < V:  # past the tokenizer's ids
+        want[torch.as_tensor(rows)[:, None], torch.arange(T, V)[None, :]] = float("-inf")
+    return want
+
+
+def token_mask(N, rows, bitmask, T):
+    """The engine's TokenMask for grammar rows `rows` of N (bitmask: theirs; T: the tokenizer's ids)."""
+    full = torch.full((N, bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device)
+    full[rows] = bitmask
+    limit = torch.full((N,), NO_LIMIT, dtype=torch.int32, device=bitmask.device)
+    limit[rows] = T
+    return TokenMask(full, limit)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(V=st.integers(1, 100), N=st.integers(1, 5), data=st.data())
 def test_token_mask_matches_xgrammars_own(V, N, data):
@@ -287,18 +315,9 @@ def test_token_mask_matches_xgrammars_own(V, N, data):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(N, V, generator=g)
     bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), W), dtype=torch.int32, generator=g)
-    # xgrammar's CPU kernel (0.2.8) corrupts the heap past logits whose width is not a multiple of 32 (one
-    # more reason the sampler unpacks the bits itself): give it whole words, and no words past the vocabulary
-    words = -(-V // 32)
-    want = torch.cat([logits, torch.zeros(N, words * 32 - V)], dim=1)
-    full = torch.full((N, words), -1, dtype=torch.int32)
-    full[rows] = torch.cat([bitmask, torch.zeros(len(rows), max(0, words - W), dtype=torch.int32)], dim=1)[:, :words]
-    xgr.apply_token_bitmask_inplace(want, full, vocab_size=V)
-    want = want[:, :V]
-    if T < V:  # past the tokenizer's ids
-        want[torch.tensor(rows)[:, None], torch.arange(T, V)[None, :]] = float("-inf")
-    got = apply_token_mask(logits, torch.tensor(rows), bitmask, T)
-    assert torch.equal(got, want)
+    want = xgrammar_masked(logits, rows, bitmask, T)
+    m = token_mask(N, rows, bitmask, T)
+    assert torch.equal(apply_token_mask(logits, m.bitmask, m.limit), want)
 
 
 def test_a_model_vocabulary_larger_than_the_tokenizers(llm, tmp_path):
@@ -379,20 +398,25 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.gpu
 @needs_cuda
 def test_token_mask_on_cuda_matches_xgrammars_kernel():
+    """The CUDA engine's token masks (through Inductor) against xgrammar's CUDA kernel: the pointwise mask
+    (Sampler.mask) and the one the sampling kernel applies as it reads (greedy rows of temperature_sample)."""
+    from flexengine.layers.sampler import temperature_sample
+    from flexengine.compile import fused_elementwise
     g = torch.Generator(device="cuda").manual_seed(0)
     for V in (32, 4000, 32 * 4008):  # a 128k vocabulary's width among them
         W = V // 32
         logits = torch.randn(6, V, device="cuda", generator=g)
-        bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (6, W), dtype=torch.int32, device="cuda", generator=g)
-        rows = torch.tensor([0, 2, 5], device="cuda")
-        want = logits.clone()
-        full = torch.full((6, W), -1, dtype=torch.int32, device="cuda")
-        full[rows] = bitmask[rows]
-        xgr.apply_token_bitmask_inplace(want, full, vocab_size=V)
-        assert torch.equal(apply_token_mask(logits.clone(), rows, bitmask[rows], V), want)
-        with torch.inference_mode():  # the CUDA engine's way: through Inductor (Sampler.mask)
-            m = TokenMask(rows.clone(), bitmask[rows].clone(), V)
+        bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, W), dtype=torch.int32, device="cuda", generator=g)
+        rows = [0, 2, 5]
+        want = xgrammar_masked(logits, rows, bitmask, V)
+        m = token_mask(6, rows, bitmask, V)
+        assert torch.equal(apply_token_mask(logits.clone(), m.bitmask, m.limit), want)
+        with torch.inference_mode():  # the CUDA engine's way: through Inductor
             assert torch.equal(Sampler(compiled=True).mask(logits.clone(), m), want)
+            with fused_elementwise(True):
+                greedy = temperature_sample(logits.clone(), torch.zeros(6, device="cuda"),
+                                            torch.ones(6, V, device="cuda"), (m.bitmask, m.limit))
+            assert torch.equal(greedy, want.argmax(-1))
 
 
 @pytest.mark.gpu

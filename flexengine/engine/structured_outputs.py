@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..attention.staging import to_device
-from ..layers.sampler import TokenMask
+from ..layers.sampler import NO_LIMIT, TokenMask
 from ..structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Grammars:
             raise ValueError("structured_outputs need a tokenizer, and this model has none")
         started = time.perf_counter()
         # xgrammar sees the tokenizer's ids only. A model's vocabulary may be larger (padded embeddings):
-        # the sampler bans the ids past the bitmask (apply_token_mask). Sized for the model instead,
+        # the sampler bans the ids past them (TokenMask.limit). Sized for the model instead,
         # xgrammar clears each padded id on every fill: 88 µs a row inside a JSON string at 128,256 ids
         # against 4.4 µs at SmolLM2's own 49,152 (CPU), and the random presets pad 259 ids to 128,256.
         size = len(self.tokenizer)
@@ -172,9 +172,10 @@ class GrammarState:
 
 
 def fill_token_mask(seqs, rows, device) -> TokenMask | None:
-    """Each grammar row's allowed next tokens, filled on the host by the rows' matchers (xgrammar's
-    batch_fill_next_token_bitmask, on several threads), then one copy to the device. A sequence that
-    finished after the step was queued (its grammar may be done) gets no mask: its token is dropped."""
+    """Every row's allowed next tokens (TokenMask): the grammar rows' filled on the host by their matchers
+    (xgrammar's batch_fill_next_token_bitmask), the others' all allowed, then one copy to the device. A
+    sequence that finished after the step was queued (its grammar may be done) is left unmasked: its token is
+    dropped."""
     rows = [row for row in rows if not seqs[row].is_finished]
     if not rows:
         return None
@@ -183,12 +184,15 @@ def fill_token_mask(seqs, rows, device) -> TokenMask | None:
     # Filled where the copy reads it: pinned on CUDA (torch's caching host allocator reuses the block once
     # its copy is done). A row is 4,008 words at a 128k vocabulary, so 256 rows are 4 MB a step, which a
     # copy through the staging ring would first move into pinned memory on the host.
-    bitmask = torch.empty((len(rows), first.width), dtype=torch.int32, pin_memory=device.type == "cuda")
+    bitmask = torch.empty((len(seqs), first.width), dtype=torch.int32, pin_memory=device.type == "cuda")
+    limit = np.full(len(seqs), NO_LIMIT, dtype=np.int32)
+    limit[rows] = first.vocab_size
+    if len(rows) < len(seqs):
+        bitmask.numpy()[limit == NO_LIMIT] = -1
     assert not any(seqs[row].num_pending for row in rows), \
         "a grammar row's last token must be on the host before its mask is filled"
-    first.batch.batch_fill_next_token_bitmask([seqs[row].grammar.matcher for row in rows], bitmask)
-    return TokenMask(rows=to_device(np.asarray(rows, dtype=np.int64), device),
-                     bitmask=bitmask.to(device, non_blocking=True), vocab_size=first.vocab_size)
+    first.batch.batch_fill_next_token_bitmask([seqs[row].grammar.matcher for row in rows], bitmask, rows)
+    return TokenMask(bitmask=bitmask.to(device, non_blocking=True), limit=to_device(limit, device))
 
 
 def accept_tokens(seqs, tokens) -> None:

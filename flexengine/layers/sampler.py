@@ -31,7 +31,8 @@ class SamplingTensors:
     adjust: "LogitsAdjust | None" = None    # penalties, biases, min_tokens bans; None: no row has any
     grammar_rows: tuple[int, ...] = ()      # host: rows whose sequence has a grammar (their mask is per step)
     adjusts_logits: bool = False            # host: some row has penalties, biases or min_tokens (`adjust` per step)
-    token_mask: "TokenMask | None" = None   # those rows' allowed tokens (engine/structured_outputs.py fills it)
+    token_mask: "TokenMask | None" = None   # every row's allowed tokens, when some row has a grammar
+    #                                         (engine/structured_outputs.py fills it)
 
 
 @dataclass
@@ -69,43 +70,50 @@ def apply_adjust(logits: torch.Tensor, a: LogitsAdjust, in_place: bool = False) 
     return logits
 
 
+NO_LIMIT = 2 ** 31 - 1  # TokenMask.limit of a row without a grammar
+
+
 @dataclass
 class TokenMask:
-    """The allowed next tokens of a step's grammar rows, in xgrammar's bitmask layout."""
-    rows: torch.Tensor      # int64 [G]: their rows of the step's logits
-    bitmask: torch.Tensor   # int32 [G, W]: bit j of word k allows token 32k + j
-    vocab_size: int         # the grammar's (tokenizer's) ids: the bits past them are not meaningful
+    """The allowed next tokens of every row of a step, in xgrammar's bitmask layout. A row without a grammar
+    allows every token: its words are -1 (every bit) and its limit NO_LIMIT. Every row, not only the grammar
+    rows: the mask is then a pointwise op over the logits, which the sampling kernel applies as it reads them
+    (no gather and scatter of the grammar rows)."""
+    bitmask: torch.Tensor   # int32 [N, W]: bit j of word k allows token 32k + j (ids past 32W: allowed below limit)
+    limit: torch.Tensor     # int32 [N]: ids from limit on are never allowed: a grammar row's tokenizer vocabulary
+    #                         (a model's embeddings may be padded past it; xgrammar sets whole words inside a JSON
+    #                         string, its bits past the vocabulary too), NO_LIMIT in a row without a grammar
 
 
-def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """-inf for each token a row's bitmask does not allow (xgrammar's layout: bit j of int32 word k is
-    token 32k + j). Ids past `vocab_size` (the tokenizer's; a model's embeddings may be padded past it) are
-    never allowed, whatever their bits say: xgrammar sets whole words where every token is allowed (inside a
-    JSON string), the bits past its vocabulary too. Plain tensor ops: the same on CPU and CUDA. Writes into
-    `logits`."""
-    V = logits.shape[-1]
-    G, W = bitmask.shape
-    n = min(V, 32 * W, vocab_size)
+def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """-inf for each token a row does not allow (TokenMask), the bits unpacked to bytes first: plain tensor ops,
+    the CPU engine's way (2x faster eagerly than a word per logit). Writes into `logits`."""
+    N, V = logits.shape
+    W = bitmask.shape[1]
     shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
     # little-endian bytes of each word: byte b holds tokens 32k + 8b ... 32k + 8b + 7
-    bits = (bitmask.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1
-    allowed = bits.view(G, W * 32)[:, :n].bool()
-    if n < V:
-        allowed = torch.cat([allowed, allowed.new_zeros(G, V - n)], dim=1)
-    return logits.index_put_((rows,), logits[rows].masked_fill(~allowed, float("-inf")))  # in place: no [N, V] copy
+    allowed = ((bitmask.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1).view(N, W * 32)[:, :V].bool()
+    if 32 * W < V:  # ids past the words: allowed below the limit
+        allowed = torch.cat([allowed, allowed.new_ones(N, V - 32 * W)], dim=1)
+    allowed &= torch.arange(V, device=logits.device) < limit[:, None]
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
+def token_allowed(bitmask: torch.Tensor, limit: torch.Tensor, V: int) -> torch.Tensor:
+    """bool [N, V]: TokenMask's rule, a word per logit (traced into the kernel that reads the logits, Inductor
+    never writes it out)."""
+    W = bitmask.shape[1]
+    ids = torch.arange(V, device=bitmask.device)
+    words = bitmask[:, torch.clamp(ids // 32, max=W - 1)]
+    bit = ((words >> (ids % 32).to(torch.int32)) & 1).bool() | (ids >= 32 * W)
+    return bit & (ids < limit[:, None])
 
 
 @fused
-def mask_by_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """apply_token_mask as the CUDA engine runs it, through Inductor: each logit reads its own word of the
-    bitmask, one kernel, where the eager version unpacks every bit into a byte first (~10 launches and ~400 MB
-    of traffic a step at 256 rows of a 128k vocabulary). Eagerly on a CPU this formulation is 2x slower than
-    the unpacking one (a word per logit), so the CPU keeps that. Writes into `logits`."""
-    V, W = logits.shape[-1], bitmask.shape[1]
-    ids = torch.arange(V, device=logits.device)
-    words = bitmask[:, torch.clamp(ids // 32, max=W - 1)]
-    allowed = ((words >> (ids % 32).to(torch.int32)) & 1).bool() & (ids < torch.sym_min(32 * W, vocab_size))
-    return logits.index_put_((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+def mask_by_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """apply_token_mask as the CUDA engine runs it where the sampling kernel cannot take the mask (logprobs,
+    logits processors, top-k/p, greedy batches): one pointwise kernel through Inductor. Writes into `logits`."""
+    return logits.masked_fill_(~token_allowed(bitmask, limit, logits.shape[-1]), float("-inf"))
 
 
 @dataclass
@@ -196,9 +204,13 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 @fused
-def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, q: torch.Tensor,
+                       mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rows with temperature > 0: the Gumbel-max draw argmax(softmax(logits / T) / q); the others: greedy. Compiled
-    (the CUDA engine), the passes over [N, V] fuse into a few kernels instead of eight launches."""
+    (the CUDA engine), the passes over [N, V] fuse into a few kernels instead of eight launches. `mask`: a
+    TokenMask's (bitmask, limit), applied as the logits are read (JSON mode costs no pass of its own)."""
+    if mask is not None:
+        logits = logits.masked_fill(~token_allowed(*mask, logits.shape[-1]), float("-inf"))
     greedy = row_argmax(logits)
     sampled = row_argmax(apply_temperature(logits, temperature).softmax(-1) / q.clamp_min(1e-20))
     return torch.where(temperature > 0, sampled, greedy)
@@ -211,37 +223,44 @@ class Sampler:
 
     def warm_up(self, vocab_size: int, device) -> None:
         """Compile temperature_sample for one row and for several (dynamo specialises a size of 1), and, where
-        xgrammar is installed (JSON mode), the token mask: a first JSON request would otherwise wait for it."""
+        xgrammar is installed (JSON mode), its masked version and the token mask: a first JSON request would
+        otherwise wait for them."""
+        masks = self.compiled and importlib.util.find_spec("xgrammar") is not None
         with torch.inference_mode(), fused_elementwise(self.compiled):
             for n in (1, 2):
-                temperature_sample(torch.zeros(n, vocab_size, device=device), torch.ones(n, device=device),
-                                   torch.ones(n, vocab_size, device=device))
-            if self.compiled and importlib.util.find_spec("xgrammar") is not None:
-                for n, g in ((1, 1), (2, 1), (2, 2)):  # sampled rows, grammar rows (a size of 1 specialises)
-                    self.mask(torch.zeros(n, vocab_size, device=device), TokenMask(
-                        torch.arange(g, device=device), torch.zeros(g, -(-vocab_size // 32), dtype=torch.int32,
-                                                                    device=device), vocab_size))
+                logits, t = torch.zeros(n, vocab_size, device=device), torch.ones(n, device=device)
+                q = torch.ones(n, vocab_size, device=device)
+                temperature_sample(logits, t, q)
+                if masks:
+                    mask = TokenMask(torch.zeros(n, -(-vocab_size // 32), dtype=torch.int32, device=device),
+                                     torch.full((n,), NO_LIMIT, dtype=torch.int32, device=device))
+                    temperature_sample(logits, t, q, (mask.bitmask, mask.limit))
+                    self.mask(logits, mask)
 
     def mask(self, logits: torch.Tensor, m: TokenMask) -> torch.Tensor:
-        """The grammar rows' disallowed tokens to -inf, in place: compiled on the CUDA engine, unpacked on a CPU."""
+        """The disallowed tokens to -inf, in place: compiled on the CUDA engine, unpacked on a CPU."""
         if not self.compiled:
-            return apply_token_mask(logits, m.rows, m.bitmask, m.vocab_size)
+            return apply_token_mask(logits, m.bitmask, m.limit)
         with fused_elementwise(True):
-            return mask_by_bitmask(logits, m.rows, m.bitmask, m.vocab_size)
+            return mask_by_bitmask(logits, m.bitmask, m.limit)
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits float32 [N, V] → one token per row."""
-        if t.token_mask is not None:
+        plain_draw = not t.all_greedy and t.min_p is None and t.top_k is None and t.top_p is None
+        # the sampling kernel masks as it reads, unless the masked logits are read elsewhere too
+        folded = t.token_mask is not None and self.compiled and plain_draw and t.adjust is None and t.num_logprobs < 0
+        if t.token_mask is not None and not folded:
             logits = self.mask(logits, t.token_mask)
         raw = logits  # logprobs are the model's own (vLLM's raw_logprobs), before the adjustments
         if t.adjust is not None:
             logits = apply_adjust(logits, t.adjust, in_place=t.num_logprobs < 0)
         if t.all_greedy:
             ids = row_argmax(logits)
-        elif t.min_p is None and t.top_k is None and t.top_p is None:
+        elif plain_draw:
             q = exponential_noise(logits.shape, logits.device, t.generators, self.generator)
             with fused_elementwise(self.compiled):
-                ids = temperature_sample(logits, t.temperature, q)
+                ids = temperature_sample(logits, t.temperature, q,
+                                         (t.token_mask.bitmask, t.token_mask.limit) if folded else None)
         else:
             x = apply_temperature(logits, t.temperature)
             if t.min_p is not None:
