@@ -13,7 +13,7 @@ import copy
 import os
 
 from flexengine.benchmarks import throughput
-from flexengine.benchmarks.common import build_llm, random_prompts, warm_up
+from flexengine.benchmarks.common import build_llm, compiled_graphs, random_prompts, warm_up
 
 WORKLOADS = [  # (name, the bench throughput flags it stands for)
     ("json_schemas_1", dict(json_schemas=1)),                 # >= 0.85x unconstrained
@@ -44,7 +44,11 @@ def main() -> int:
         prompts = random_prompts(run.num_prompts, run.input_len, llm.llm_engine.vocab_size, run.seed)
         print(f"=== {name}", flush=True)
         mode = next(key for key in RUN if flags.get(key))
+        before = compiled_graphs()
         RUN[mode](run, llm, prompts)
+        # start-up compiles every sampler graph: a compile here is a first request's stall (JSON's first round
+        # may also compile its grammars, which dynamo does not count)
+        print(f"Graphs compiled during {name}: {compiled_graphs() - before}", flush=True)
     return 0
 
 

@@ -382,3 +382,34 @@ def test_compiled_token_mask_equals_eager_and_is_warmed_up(monkeypatch, tmp_path
         free = [r for r in range(n) if r not in rows]
         assert torch.equal(want[free], logits[free])
     assert compile_count() == before
+
+
+def test_compiled_penalties_equal_eager_and_are_warmed_up(monkeypatch, tmp_path):
+    """The penalties as the CUDA engine applies them (apply_penalties through Inductor, here on the CPU) against
+    the eager code, which test_logits_processors checks against the plain formulas: one penalised row or several
+    among more rows, short and long histories with repeated tokens; Sampler.warm_up compiled every graph."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from flexengine.compile import compile_count, configure_dynamo, fused_elementwise, reset_fused
+    from flexengine.layers.sampler import apply_penalties
+    torch._dynamo.reset()
+    reset_fused()
+    configure_dynamo()
+    V = 1000
+    Sampler(compiled=True).warm_up(V, "cpu")
+    before = compile_count()
+    g = torch.Generator().manual_seed(0)
+    for n, P, L in ((4, 1, 2), (6, 3, 300), (2, 2, 7), (9, 5, 64)):
+        with torch.inference_mode():  # as the engine makes and samples them
+            logits = torch.randn(n, V, generator=g) * 3
+            rows = torch.randperm(n, generator=g)[:P]
+            tokens = torch.randint(0, 40, (P, L), generator=g)  # a small range: tokens repeat
+            is_output = torch.rand(P, L, generator=g) < 0.6
+            coefficients = [torch.rand(P, generator=g) + 0.5, torch.rand(P, generator=g), torch.rand(P, generator=g) - 0.5]
+            want = logits.clone()
+            apply_penalties.eager(want, rows, tokens, is_output, *coefficients)
+            got = logits.clone()
+            with fused_elementwise(True):
+                apply_penalties(got, rows, tokens, is_output, *coefficients)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(want, logits)
+    assert compile_count() == before

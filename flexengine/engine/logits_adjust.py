@@ -179,7 +179,9 @@ class LogitsAdjuster:
     def penalties_into(self, out: LogitsAdjust, coefficients, k: int) -> None:
         """The penalised rows' histories as of the last update, plus the k tokens multi-step wrote since."""
         slots, prompt_lens, lengths, longest = self.last_update
-        pos = torch.arange(longest + k, device=self.device)
+        # at least 2 columns (those past a history repeat its first token and are no output): a compiled sampler
+        # would specialise a history of 1
+        pos = torch.arange(max(longest + k, 2), device=self.device)
         out.rows, out.repetition, out.frequency, out.presence = coefficients
         out.tokens = self.histories.hist_SC[slots, :len(pos)]
         out.is_output = (pos >= prompt_lens[:, None]) & (pos < lengths[:, None] + k)
@@ -198,7 +200,9 @@ class LogitsAdjuster:
             return bias or None, [], (), min_tokens
         c = to_device(np.asarray([(i, params[i].repetition_penalty, params[i].frequency_penalty,
                                    params[i].presence_penalty) for i in rows], dtype=np.float32).T.copy(), self.device)
-        return bias or None, rows, (c[0].long(), c[1], c[2], c[3]), min_tokens  # (row numbers are exact in float32)
+        # (row numbers are exact in float32); each coefficient a tensor of its own, as the compiled penalties were
+        # warmed up with (dynamo guards a view's storage offset of 0 or 1)
+        return bias or None, rows, (c[0].long(), c[1].clone(), c[2].clone(), c[3].clone()), min_tokens
 
     def banned(self, seqs: list[Sequence], ahead: int = 0):
         """(rows, token ids) held back by min_tokens; `ahead`: outputs sampled that the host has not seen yet."""
