@@ -100,6 +100,13 @@ def json_params() -> SamplingParams:
     return SamplingParams(max_tokens=None, temperature=1.0, structured_outputs=StructuredOutputsParams(json=bench_schema(0)))
 
 
+def penalty_params(vocab_size: int) -> SamplingParams:
+    """bench throughput --penalties' settings: the three penalties and a 10-token logit_bias, sampled."""
+    from flexengine.benchmarks.throughput import bench_logit_bias
+    return SamplingParams(max_tokens=None, ignore_eos=True, temperature=1.0, repetition_penalty=1.1,
+                          presence_penalty=0.5, frequency_penalty=0.5, logit_bias=bench_logit_bias(vocab_size, 0))
+
+
 def start_decoding(engine, ids: list[str], prompts: list[list[int]], params: SamplingParams = UNLIMITED) -> None:
     """Add the requests and step until every prompt is prefilled, plus one step.
 
@@ -144,7 +151,7 @@ def profile_decode(llm, batch: int, input_len: int, steps: int = 8, workload: st
     """Bring `batch` requests to decode, then profile `steps` pure decode steps of all of them."""
     engine = llm.llm_engine
     ids = [f"p{batch}-{i}" for i in range(batch)]
-    params = json_params() if workload == "json" else UNLIMITED
+    params = {"json": json_params, "penalties": lambda: penalty_params(engine.vocab_size)}.get(workload, lambda: UNLIMITED)()
     start_decoding(engine, ids, random_prompts(batch, input_len, engine.vocab_size, seed=batch), params)
     engine.step()
     prof, wall = profiled_steps(engine, steps)
@@ -181,8 +188,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--decode-batches", default="1,64,256")
-    p.add_argument("--decode-workload", default="plain", choices=["plain", "json"],
-                   help="the profiled decode steps' requests: greedy, or under a JSON schema (xgrammar)")
+    p.add_argument("--decode-workload", default="plain", choices=["plain", "json", "penalties"],
+                   help="the profiled decode steps' requests: greedy, under a JSON schema (xgrammar), or with "
+                        "bench throughput --penalties' settings")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="prompts arrive at this Poisson rate (per second) and stream, as at a server")
     p.add_argument("--arrival-batch", type=int, default=32,
