@@ -171,15 +171,16 @@ def exponential_noise(shape, device, generators, default: torch.Generator | None
 
 @fused
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor):
-    """Each row's token: its logprob (float32 [N]) and rank (int64 [N]), and the row's logsumexp (float32
-    [N, 1]). The log-softmax is never written out: prompt logprobs score every prompt row, and [rows, vocab]
-    in float32 is 0.5 GB per thousand rows at a 128k vocabulary. Compiled (the CUDA engine), the three
-    reductions read the logits in one or two passes."""
+    """Each row's token: its logprob (float32 [N]) and rank (int64 [N]); the row's logsumexp, its largest logit
+    (float32 [N, 1]) and that logit's id (int64 [N, 1]). The log-softmax is never written out: prompt logprobs
+    score every prompt row, and [rows, vocab] in float32 is 0.5 GB per thousand rows at a 128k vocabulary.
+    Compiled (the CUDA engine), the reductions read the logits in one or two passes."""
     x = logits.float()
     lse = torch.logsumexp(x, -1, keepdim=True)
     chosen = x.gather(-1, token_ids[:, None])
     rank = (x >= chosen).sum(-1)  # ties count as ahead, as vLLM does (logits rank as their logprobs)
-    return (chosen - lse)[:, 0], rank, lse
+    best, best_id = x.max(-1, keepdim=True)  # the top 1, in the same passes (topk is a pass of its own)
+    return (chosen - lse)[:, 0], rank, lse, best, best_id
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, compiled: bool = False):
@@ -190,8 +191,10 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, comp
     if compiled and n == 1:  # one compiled graph for every row count: dynamo would specialise a size-1 one
         logits, token_ids = logits.expand(2, -1).contiguous(), token_ids.expand(2).contiguous()
     with fused_elementwise(compiled):
-        chosen, rank, lse = token_logprobs(logits, token_ids)
+        chosen, rank, lse, best, best_id = token_logprobs(logits, token_ids)
     chosen, rank, lse, logits = chosen[:n], rank[:n], lse[:n], logits[:n]
+    if k == 1:  # lm-eval's loglikelihood requests
+        return chosen, rank, best_id[:n], best[:n] - lse
     top = logits.topk(k, dim=-1)
     return chosen, rank, top.indices, top.values.float() - lse
 
