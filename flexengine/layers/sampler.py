@@ -64,7 +64,7 @@ def apply_adjust(logits: torch.Tensor, a: LogitsAdjust, in_place: bool = False) 
     return logits
 
 
-@fused
+@fused(static_vocab=True)
 def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, is_output: torch.Tensor,
                     repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> None:
     """The repetition, frequency and presence penalties (LogitsAdjust), into `logits`. Compiled on the CUDA engine:
@@ -116,7 +116,7 @@ def token_allowed(bitmask: torch.Tensor, limit: torch.Tensor, V: int) -> torch.T
     return bit & (ids < limit[:, None])
 
 
-@fused
+@fused(static_vocab=True)
 def mask_by_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     """apply_token_mask as the CUDA engine runs it where the sampling kernel cannot take the mask (logprobs,
     logits processors, top-k/p, greedy batches): one pointwise kernel through Inductor. Writes into `logits`."""
@@ -169,7 +169,7 @@ def exponential_noise(shape, device, generators, default: torch.Generator | None
     return q
 
 
-@fused
+@fused(static_vocab=True)
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor):
     """Each row's token: its logprob (float32 [N]) and rank (int64 [N]); the row's logsumexp, its largest logit
     (float32 [N, 1]) and that logit's id (int64 [N, 1]). The log-softmax is never written out: prompt logprobs
@@ -213,7 +213,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return (chunk * (V // S) + where.gather(1, chunk)).squeeze(1)
 
 
-@fused
+@fused(static_vocab=True)
 def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, q: torch.Tensor,
                        mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rows with temperature > 0: the Gumbel-max draw argmax(softmax(logits / T) / q); the others: greedy. Compiled
