@@ -30,6 +30,7 @@ import argparse
 import statistics
 
 import numpy as np
+import torch
 
 from .common import (add_engine_arguments, as_requests, build_llm, check_lengths, compiled_graphs, device_name,
                      engine_mode, generate_fixed, random_prompts, timed, warm_up, write_json)
@@ -153,8 +154,15 @@ def alternate(llm, args, prompts, plain, feature) -> tuple[list[float], list[flo
     for i in range(4):
         batch = prompts if i == 0 else random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size,
                                                         args.seed + i)
+        retries = alloc_retries()
         times[i % 2].append((plain if i % 2 == 0 else feature)(batch))
+        if alloc_retries() > retries:  # the caching allocator freed its cache and synced to find memory
+            print(f"run {i + 1}: {alloc_retries() - retries} CUDA allocation retries")
     return times
+
+
+def alloc_retries() -> int:
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
 
 
 def penalties_main(args, llm, prompts) -> int:
