@@ -413,3 +413,41 @@ def test_compiled_penalties_equal_eager_and_are_warmed_up(monkeypatch, tmp_path)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert not torch.equal(want, logits)
     assert compile_count() == before
+
+
+def test_the_engines_sampling_inputs_compile_nothing_after_warm_up(monkeypatch, tmp_path):
+    """The compiled sampler (the CUDA engine's, here on the CPU) fed what the engine builds for a step
+    (build_sampling_tensors, LogitsAdjuster) after Sampler.warm_up: plain, masked and penalised batches of one row
+    and several compile nothing more (a strided temperature column once compiled the sampler again mid-run)."""
+    pytest.importorskip("xgrammar")  # warm_up compiles the masked sampler only where JSON mode can run
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    import dataclasses
+    from flexengine.compile import compile_count, configure_dynamo, reset_fused
+    from flexengine.engine.logits_adjust import LogitsAdjuster
+    from flexengine.engine.sampling_inputs import build_sampling_tensors
+    from flexengine.engine.sequence import Sequence
+    from flexengine.layers.sampler import NO_LIMIT, TokenMask
+    torch._dynamo.reset()
+    reset_fused()
+    configure_dynamo()
+    V = 320
+    sampler = Sampler(compiled=True)
+    sampler.warm_up(V, "cpu")
+    before = compile_count()
+    penalised = SamplingParams(temperature=0.8, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3,
+                               logit_bias={3: 2.0})
+    for n in (1, 5, 3):
+        seqs = [Sequence(request_id=f"{n}-{i}", index=0, token_ids=[1, 2, 3, i], num_prompt_tokens=3,
+                         params=penalised if i % 2 else SamplingParams(temperature=0.7)) for i in range(n)]
+        for s in seqs:
+            s.min_tokens_stops = frozenset()
+        with torch.inference_mode():  # as ModelRunner.sampling_inputs and .sample run
+            t = build_sampling_tensors(seqs, "cpu")
+            limit = torch.full((n,), NO_LIMIT, dtype=torch.int32)
+            limit[0] = 200
+            mask = TokenMask(torch.full((n, 7), -1, dtype=torch.int32), limit)
+            adjust = LogitsAdjuster(V, "cpu", 8)(seqs)
+            for step in (t, dataclasses.replace(t, token_mask=mask), dataclasses.replace(t, adjust=adjust)):
+                ids = sampler(torch.randn(n, V), step).token_ids
+                assert ids.shape == (n,)
+    assert compile_count() == before

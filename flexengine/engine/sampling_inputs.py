@@ -58,7 +58,9 @@ def build_sampling_tensors(seqs: list[Sequence], device: torch.device) -> Sampli
     any_min_p = any(p.min_p > 0 for p in params)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingTensors(
-        temperature=packed[:, 0], top_p=packed[:, 1] if any_top_p else None,
+        # (a contiguous tensor of its own, as the compiled sampler was warmed up with: the strided column compiled it
+        # again, mid-run on the H100)
+        temperature=packed[:, 0].clone(memory_format=torch.contiguous_format), top_p=packed[:, 1] if any_top_p else None,
         min_p=packed[:, 2] if any_min_p else None, top_k=packed[:, 3].long() if any_top_k else None,
         generators=tuple(s.generator for s in seqs), all_greedy=all(p.temperature == 0 for p in params),
         num_logprobs=max(asked) if asked else -1,

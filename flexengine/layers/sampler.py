@@ -57,8 +57,8 @@ def apply_adjust(logits: torch.Tensor, a: LogitsAdjust, in_place: bool = False) 
     if a.banned is not None:
         logits[a.banned] = float("-inf")
     if a.bias is not None:
-        rows, ids, values = a.bias
-        logits.index_put_((rows, ids), values, accumulate=True)
+        rows, ids, values = a.bias  # a row's ids are distinct (a dict's keys): no accumulate, whose CUDA kernel sorts
+        logits[rows, ids] += values
     if a.rows is not None:
         apply_penalties(logits, a.rows, a.tokens, a.is_output, a.repetition, a.frequency, a.presence)
     return logits
