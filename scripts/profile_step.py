@@ -15,6 +15,7 @@ filling masks) holds the device back.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 import itertools
 import time
@@ -151,7 +152,8 @@ def profile_decode(llm, batch: int, input_len: int, steps: int = 8, workload: st
     """Bring `batch` requests to decode, then profile `steps` pure decode steps of all of them."""
     engine = llm.llm_engine
     ids = [f"p{batch}-{i}" for i in range(batch)]
-    params = {"json": json_params, "penalties": lambda: penalty_params(engine.vocab_size)}.get(workload, lambda: UNLIMITED)()
+    params = {"json": json_params, "penalties": lambda: penalty_params(engine.vocab_size),
+              "sampled": lambda: dataclasses.replace(UNLIMITED, temperature=1.0)}.get(workload, lambda: UNLIMITED)()
     start_decoding(engine, ids, random_prompts(batch, input_len, engine.vocab_size, seed=batch), params)
     engine.step()
     prof, wall = profiled_steps(engine, steps)
@@ -188,9 +190,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--decode-batches", default="1,64,256")
-    p.add_argument("--decode-workload", default="plain", choices=["plain", "json", "penalties"],
-                   help="the profiled decode steps' requests: greedy, under a JSON schema (xgrammar), or with "
-                        "bench throughput --penalties' settings")
+    p.add_argument("--decode-workload", default="plain", choices=["plain", "sampled", "json", "penalties"],
+                   help="the profiled decode steps' requests: greedy, sampled at temperature 1 (json's and penalties' "
+                        "baseline), under a JSON schema (xgrammar), or with bench throughput --penalties' settings")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="prompts arrive at this Poisson rate (per second) and stream, as at a server")
     p.add_argument("--arrival-batch", type=int, default=32,
