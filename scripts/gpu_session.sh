@@ -13,7 +13,7 @@
 # (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
 # (scripts/step_host_time.py: host time of each step's inputs), host_sampling (the same for issue 20's JSON and
 # penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
-# per step by thread count), splits
+# per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
 # still run without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto,
@@ -160,6 +160,7 @@ for stage in ${*:-tests attention compare latency}; do
            for size in 1 2; do bench_tp throughput "$size" --num-prompts 256 --input-len 256 --output-len 256; done  # >= 1.3x
            step profile_tp2 240 python3 scripts/profile_step.py --model "$MODEL8B_DIR" -tp 2 --num-prompts 64 \
              --output-len 16 --decode-batches 1,256 --arrival-batch 0; } ;;  # the all-reduces' share of a decode step
+    gemv) step gemv_probe 240 python3 scripts/gemv_probe.py --json "$OUT/gemv.json" ;;  # issue 16: cuBLAS vs a GEMV
     grammar_probe) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1  # issue 20: xgrammar's host time
            step grammar_probe 120 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 \
              scripts/grammar_fill_probe.py --model "$MODEL_DIR"; } ;;

@@ -1,0 +1,122 @@
+"""How fast the batch-1 decode step's projections read their weights: cuBLAS against a plain Triton GEMV
+(issue 16: the qkv and o projections read at 1.3-1.9 TB/s in session 19's batch-1 profile).
+
+    python3 scripts/gemv_probe.py [--rows 1,8] [--json out.json]
+
+For each projection of the Llama-3.2-1B shape (qkv, o, gate_up, down, lm_head) and each row count, µs per call
+(20 calls captured in one CUDA graph, so no launch gaps), the weight bytes read per µs (TB/s), and the Triton
+kernel's best configuration and its largest difference from cuBLAS. The GEMV: each program reads BLOCK_N rows of
+the weight over a 1/SPLIT_K share of K and keeps its partial sums in float32; with SPLIT_K > 1 a sum over the
+splits follows (a second kernel, inside the same graph). A probe to decide whether the engine should carry its own
+small-M GEMM, not part of the engine. Runs the kernel in Triton's interpreter on a CPU (correctness only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read as the kernel is defined: the interpreter on a CPU
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+          "lm_head": (128256, 2048)}  # (out features N, in features K)
+CONFIGS = [(bn, bk, s) for bn in (8, 16, 32) for bk in (128, 256, 512) for s in (1, 2, 4, 8)]
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, k_per_split, M: tl.constexpr, M_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, M_PAD)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(pid_k * k_per_split, (pid_k + 1) * k_per_split, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+    tl.store(out_ptr + pid_k * M * N + m[:, None] * N + n[None, :], acc, mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, split_k: int) -> torch.Tensor:
+    M, K = x.shape
+    N = w.shape[0]
+    assert K % (split_k * block_k) == 0, (K, split_k, block_k)
+    partial = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
+    gemv_kernel[(triton.cdiv(N, block_n), split_k)](x, w, partial, N, K, K // split_k, M=M,
+                                                    M_PAD=max(2, triton.next_power_of_2(M)), BLOCK_N=block_n,
+                                                    BLOCK_K=block_k)
+    return (partial[0] if split_k == 1 else partial.sum(0)).to(x.dtype)
+
+
+def graph_us(fn, calls: int = 20, repeats: int = 10) -> float:
+    """µs per call of fn, `calls` of them captured in one CUDA graph, the median of `repeats` replays."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,8")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    rows = [int(r) for r in args.rows.split(",")]
+    g = torch.Generator(device=device).manual_seed(0)
+    results = []
+    if cuda:
+        print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | bf16")
+    print("| projection | N x K | rows | weight MB | cuBLAS µs | cuBLAS TB/s | Triton µs | Triton TB/s | best (BLOCK_N, BLOCK_K, SPLIT_K) | max diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, (N, K) in SHAPES.items():
+        if not cuda:
+            N, K = min(N, 64), min(K, 1024)  # the interpreter is slow: small shapes, correctness only
+        w = torch.randn(N, K, generator=g, device=device).to(dtype) * 0.02
+        mb = w.numel() * w.element_size() / 1e6
+        for M in rows:
+            x = torch.randn(M, K, generator=g, device=device).to(dtype)
+            want = torch.nn.functional.linear(x, w)
+            configs = CONFIGS if cuda else [(16, 128, 1), (8, 256, 4)]
+            best = None
+            for cfg in configs:
+                if K % (cfg[1] * cfg[2]):
+                    continue
+                got = gemv(x, w, *cfg)
+                diff = (got.float() - want.float()).abs().max().item()
+                assert diff <= 2e-2 * want.float().abs().max().item() + 1e-3, (name, M, cfg, diff)
+                us = graph_us(lambda: gemv(x, w, *cfg)) if cuda else 0.0
+                if best is None or us < best[0]:
+                    best = (us, cfg, diff)
+            blas = graph_us(lambda: torch.nn.functional.linear(x, w)) if cuda else 0.0
+            us, cfg, diff = best
+            tbs = (lambda t: mb / t if t else 0.0)  # MB per µs = TB/s
+            print(f"| {name} | {N} x {K} | {M} | {mb:.1f} | {blas:.1f} | {tbs(blas):.2f} | {us:.1f} | {tbs(us):.2f} "
+                  f"| {cfg} | {diff:.2e} |")
+            results.append(dict(name=name, N=N, K=K, rows=M, weight_mb=mb, cublas_us=blas, triton_us=us,
+                                config=cfg, max_diff=diff))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
