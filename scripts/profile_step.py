@@ -15,8 +15,8 @@ filling masks) holds the device back.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import collections
+import dataclasses
 import itertools
 import time
 
@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flexengine import LLM, SamplingParams
 from flexengine.benchmarks.common import as_requests, random_prompts
+from flexengine.benchmarks.throughput import bench_penalties
 from flexengine.compile import compile_count
 
 
@@ -101,13 +102,6 @@ def json_params() -> SamplingParams:
     return SamplingParams(max_tokens=None, temperature=1.0, structured_outputs=StructuredOutputsParams(json=bench_schema(0)))
 
 
-def penalty_params(vocab_size: int) -> SamplingParams:
-    """bench throughput --penalties' settings: the three penalties and a 10-token logit_bias, sampled."""
-    from flexengine.benchmarks.throughput import bench_logit_bias
-    return SamplingParams(max_tokens=None, ignore_eos=True, temperature=1.0, repetition_penalty=1.1,
-                          presence_penalty=0.5, frequency_penalty=0.5, logit_bias=bench_logit_bias(vocab_size, 0))
-
-
 def start_decoding(engine, ids: list[str], prompts: list[list[int]], params: SamplingParams = UNLIMITED) -> None:
     """Add the requests and step until every prompt is prefilled, plus one step.
 
@@ -152,7 +146,7 @@ def profile_decode(llm, batch: int, input_len: int, steps: int = 8, workload: st
     """Bring `batch` requests to decode, then profile `steps` pure decode steps of all of them."""
     engine = llm.llm_engine
     ids = [f"p{batch}-{i}" for i in range(batch)]
-    params = {"json": json_params, "penalties": lambda: penalty_params(engine.vocab_size),
+    params = {"json": json_params, "penalties": lambda: bench_penalties(engine.vocab_size, 0, None, 1.0),
               "sampled": lambda: dataclasses.replace(UNLIMITED, temperature=1.0)}.get(workload, lambda: UNLIMITED)()
     start_decoding(engine, ids, random_prompts(batch, input_len, engine.vocab_size, seed=batch), params)
     engine.step()

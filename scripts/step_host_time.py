@@ -56,9 +56,8 @@ def sampling_params(workload: str, output_len: int, vocab: int) -> SamplingParam
         return SamplingParams(max_tokens=output_len, temperature=1.0,
                               structured_outputs=StructuredOutputsParams(json=bench_schema(0)))
     if workload == "penalties":
-        from flexengine.benchmarks.throughput import bench_logit_bias  # bench throughput --penalties' settings
-        return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0, repetition_penalty=1.1,
-                              presence_penalty=0.5, frequency_penalty=0.5, logit_bias=bench_logit_bias(vocab, 0))
+        from flexengine.benchmarks.throughput import bench_penalties  # bench throughput --penalties' settings
+        return bench_penalties(vocab, 0, output_len, 1.0)
     assert workload == "plain", f"unknown workload {workload!r} (plain, json, penalties)"
     return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
 

@@ -147,6 +147,13 @@ def bench_logit_bias(vocab_size: int, seed: int) -> dict[int, float]:
     return {t: 5.0 if i % 2 else -5.0 for i, t in enumerate(ids)}
 
 
+def bench_penalties(vocab_size: int, seed: int, max_tokens: int | None, temperature: float):
+    """`--penalties`' requests: repetition 1.1, presence and frequency 0.5 and bench_logit_bias, past any EOS."""
+    from flexengine import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, repetition_penalty=1.1,
+                          presence_penalty=0.5, frequency_penalty=0.5, logit_bias=bench_logit_bias(vocab_size, seed))
+
+
 def alternate(llm, args, prompts, plain, feature) -> tuple[list[float], list[float]]:
     """Seconds of plain(prompts) and feature(prompts) runs, in the order plain, feature, plain, feature, each
     on prompts of its own (the same lengths)."""
@@ -166,11 +173,8 @@ def alloc_retries() -> int:
 
 
 def penalties_main(args, llm, prompts) -> int:
-    from flexengine import SamplingParams
-    n, vocab = args.num_prompts, llm.llm_engine.vocab_size
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature,
-                            repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
-                            logit_bias=bench_logit_bias(vocab, args.seed))
+    n = args.num_prompts
+    params = bench_penalties(llm.llm_engine.vocab_size, args.seed, args.output_len, args.temperature)
 
     def penalised(batch) -> float:
         outs, seconds = timed(llm.generate, as_requests(batch), params, use_tqdm=False)
