@@ -314,19 +314,26 @@ def masked_plainly(logits, bitmask, limit):
     return out
 
 
-def random_token_mask(data, N, V):
-    """A TokenMask as fill_token_mask makes it: some grammar rows (their words at random, the tokenizer's ids T
-    ending inside the last word, bitmasks narrower and wider than the logits), the other rows unmasked."""
+def token_mask(N, rows, bitmask, T):
+    """The engine's TokenMask for grammar rows `rows` of N (bitmask: theirs; T: the tokenizer's ids), the other
+    rows unmasked, as fill_token_mask makes it."""
     from flexengine.layers.sampler import NO_LIMIT, TokenMask
+    full = torch.full((N, bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device)
+    full[rows] = bitmask
+    limit = torch.full((N,), NO_LIMIT, dtype=torch.int32, device=bitmask.device)
+    limit[rows] = T
+    return TokenMask(full, limit)
+
+
+def random_token_mask(data, N, V):
+    """A TokenMask of some grammar rows (their words at random, the tokenizer's ids T ending inside the last word,
+    bitmasks narrower and wider than the logits), and logits."""
     rows = sorted(data.draw(st.sets(st.integers(0, N - 1), min_size=1)))
     W = data.draw(st.integers(max(1, -(-V // 32) - 2), -(-V // 32) + 2))
     T = data.draw(st.integers(max(1, 32 * W - 31), 32 * W))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))
-    bitmask = torch.full((N, W), -1, dtype=torch.int32)
-    bitmask[rows] = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), W), dtype=torch.int32, generator=g)
-    limit = torch.full((N,), NO_LIMIT, dtype=torch.int32)
-    limit[rows] = T
-    return TokenMask(bitmask, limit), torch.randn(N, V, generator=g)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), W), dtype=torch.int32, generator=g)
+    return token_mask(N, rows, bitmask, T), torch.randn(N, V, generator=g)
 
 
 @settings(max_examples=30, deadline=None)
@@ -353,7 +360,7 @@ def test_compiled_token_mask_equals_eager_and_is_warmed_up(monkeypatch, tmp_path
     pytest.importorskip("xgrammar")  # warm_up compiles the masks only where JSON mode can run
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     from flexengine.compile import compile_count, configure_dynamo, fused_elementwise, reset_fused
-    from flexengine.layers.sampler import NO_LIMIT, TokenMask, temperature_sample
+    from flexengine.layers.sampler import temperature_sample
     torch._dynamo.reset()
     reset_fused()
     configure_dynamo()
@@ -365,17 +372,13 @@ def test_compiled_token_mask_equals_eager_and_is_warmed_up(monkeypatch, tmp_path
     for n, rows in ((4, [0, 2, 3]), (1, [0]), (9, [1, 4, 5, 8]), (6, [5])):
         with torch.inference_mode():  # as the engine makes and samples them
             logits = torch.randn(n, V, generator=g)
-            bitmask = torch.full((n, -(-T // 32)), -1, dtype=torch.int32)
-            bitmask[rows] = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), bitmask.shape[1]), dtype=torch.int32,
-                                          generator=g)
-            limit = torch.full((n,), NO_LIMIT, dtype=torch.int32)
-            limit[rows] = T
-            m = TokenMask(bitmask, limit)
+            m = token_mask(n, rows, torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), -(-T // 32)), dtype=torch.int32,
+                                                  generator=g), T)
             want = Sampler(compiled=False).mask(logits.clone(), m)
             got = sampler.mask(logits.clone(), m)
             temperature = torch.zeros(n)
             with fused_elementwise(True):
-                greedy = temperature_sample(logits.clone(), temperature, torch.ones(n, V), (bitmask, limit))
+                greedy = temperature_sample(logits.clone(), temperature, torch.ones(n, V), (m.bitmask, m.limit))
         assert torch.equal(got, want), n
         assert torch.equal(greedy, want.argmax(-1)), n
         assert torch.isinf(want[rows, T:]).all() and (want[rows] > float("-inf")).any()
@@ -426,7 +429,6 @@ def test_the_engines_sampling_inputs_compile_nothing_after_warm_up(monkeypatch, 
     from flexengine.engine.logits_adjust import LogitsAdjuster
     from flexengine.engine.sampling_inputs import build_sampling_tensors
     from flexengine.engine.sequence import Sequence
-    from flexengine.layers.sampler import NO_LIMIT, TokenMask
     torch._dynamo.reset()
     reset_fused()
     configure_dynamo()
@@ -443,9 +445,7 @@ def test_the_engines_sampling_inputs_compile_nothing_after_warm_up(monkeypatch, 
             s.min_tokens_stops = frozenset()
         with torch.inference_mode():  # as ModelRunner.sampling_inputs and .sample run
             t = build_sampling_tensors(seqs, "cpu")
-            limit = torch.full((n,), NO_LIMIT, dtype=torch.int32)
-            limit[0] = 200
-            mask = TokenMask(torch.full((n, 7), -1, dtype=torch.int32), limit)
+            mask = token_mask(n, [0], torch.full((1, 7), -1, dtype=torch.int32), 200)
             adjust = LogitsAdjuster(V, "cpu", 8)(seqs)
             for step in (t, dataclasses.replace(t, token_mask=mask), dataclasses.replace(t, adjust=adjust)):
                 ids = sampler(torch.randn(n, V), step).token_ids

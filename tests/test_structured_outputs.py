@@ -26,7 +26,8 @@ except ImportError:
 from flexengine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from flexengine.engine.scheduler import multi_step_ok  # noqa: E402
 from flexengine.engine.structured_outputs import Grammars  # noqa: E402
-from flexengine.layers.sampler import NO_LIMIT, Sampler, TokenMask, apply_token_mask  # noqa: E402
+from flexengine.layers.sampler import Sampler, apply_token_mask  # noqa: E402
+from test_sampling import token_mask  # noqa: E402
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "enum": ["ann", "bob", "cy"]},
@@ -290,15 +291,6 @@ def xgrammar_masked(logits, rows, bitmask, T):
     if T < V:  # past the tokenizer's ids
         want[torch.as_tensor(rows)[:, None], torch.arange(T, V)[None, :]] = float("-inf")
     return want
-
-
-def token_mask(N, rows, bitmask, T):
-    """The engine's TokenMask for grammar rows `rows` of N (bitmask: theirs; T: the tokenizer's ids)."""
-    full = torch.full((N, bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device)
-    full[rows] = bitmask
-    limit = torch.full((N,), NO_LIMIT, dtype=torch.int32, device=bitmask.device)
-    limit[rows] = T
-    return TokenMask(full, limit)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
