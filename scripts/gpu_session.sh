@@ -22,7 +22,7 @@
 # JSON in $OUT/sampling_*.json; the carried xgrammar, apache-tvm-ffi and what else the box lacks go to
 # /tmp/sampling_site, on the path of this run only), tp2, tp2_tests and tp2_speed (issue 23, on two GPUs: the llama-3.1-8b-shaped checkpoint in $MODEL8B_DIR; tp2:
 # scripts/tp_parity.py --speed (parity beside bf16's own noise, batch-1 ms/token, 256^3 tokens/s and decode profiles,
-# one engine per size, then TP=2 on NCCL's all-reduce and TP=2 with split-KV off, ~450 s); tp2_tests: the two-GPU
+# one engine per size, then TP=2 on NCCL's all-reduce and TP=2 with split-KV off (TP2_VARIANTS replaces these), ~450 s); tp2_tests: the two-GPU
 # tests (a call of their own); tp2_speed (the same numbers through `flexengine bench`): batch-1 latency and 256 x 256 x 256 throughput at TP=1
 # and TP=2, then a profile of TP=2 decode steps with the all-reduces' share). The end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR. At the end
@@ -149,7 +149,7 @@ for stage in ${*:-tests attention compare latency}; do
            step sampling_suite 480 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 \
              scripts/sampling_suite.py --model "$MODEL_DIR" --dtype bfloat16 ${ENGINE_ARGS:-} --out "$OUT"; } ;;
     tp2) model8b && step tp2_parity 580 python3 scripts/tp_parity.py --model "$MODEL8B_DIR" -tp 2 --speed \
-           --variant nccl:FLEXENGINE_ALL_REDUCE=nccl --variant no_split:FLEXENGINE_DECODE_SPLITS=1 \
+           ${TP2_VARIANTS---variant nccl:FLEXENGINE_ALL_REDUCE=nccl --variant no_split:FLEXENGINE_DECODE_SPLITS=1} \
            --json "$OUT/tp2_parity.json" ;;
            # parity and bf16's noise, then on the same engines batch 1, 256^3, profiles; then TP=2 with NCCL's
            # all-reduce instead of the one-shot sum (the default on peer-connected GPUs), and with split-KV off
