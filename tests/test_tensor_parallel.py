@@ -318,7 +318,10 @@ def test_auto_all_reduce_takes_one_shot_only_where_every_gpu_pair_has_peer_acces
     assert [one_shot_or_nccl(2, r, torch.device("cuda", 2 + r)) for r in (0, 1)] == ["one_shot"] * 2
     assert one_shot_or_nccl(1, 0, torch.device("cuda", 0)) == "nccl"
     assert one_shot_or_nccl(2, 0, torch.device("cpu")) == "nccl"
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)  # LLM(device="auto")'s rank 0: "cuda", no index
+    assert one_shot_or_nccl(2, 0, torch.device("cuda")) == "one_shot"
     blocked.add((3, 2))  # cuda:3 cannot read cuda:2: both ranks of cuda:2-3 stay on NCCL, cuda:0-1 are unaffected
+    assert one_shot_or_nccl(2, 0, torch.device("cuda")) == "nccl"
     assert [one_shot_or_nccl(2, r, torch.device("cuda", 2 + r)) for r in (0, 1)] == ["nccl"] * 2
     assert one_shot_or_nccl(2, 1, torch.device("cuda", 1)) == "one_shot"
     monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", "one_shot")

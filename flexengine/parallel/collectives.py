@@ -56,7 +56,8 @@ def one_shot_or_nccl(size: int, rank: int, device: torch.device) -> str:
         return "nccl"
     if choice == "one_shot":
         return choice
-    first = device.index - rank
+    # rank 0's runner holds the engine's own device ("cuda", no index): the group made it the current one
+    first = (device.index if device.index is not None else torch.cuda.current_device()) - rank
     gpus = range(first, first + size)
     reachable = all(torch.cuda.can_device_access_peer(a, b) for a in gpus for b in gpus if a != b)
     return "one_shot" if reachable else "nccl"
