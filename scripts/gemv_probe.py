@@ -3,11 +3,12 @@
 
     python3 scripts/gemv_probe.py [--rows 1,8] [--json out.json]
 
-For each projection of the Llama-3.2-1B shape (qkv, o, gate_up, down, lm_head) and each row count, µs per call
+For each projection (qkv, o, gate_up, down, lm_head) of the Llama-3.2-1B and 3.1-8B shapes (8B also as one
+rank's shards at TP=2) and each row count, µs per call
 (20 calls captured in one CUDA graph, so no launch gaps), the weight bytes read per µs (TB/s), and the Triton
 kernel's best configuration and its largest difference from cuBLAS. The GEMV: each program reads BLOCK_N rows of
-the weight over a 1/SPLIT_K share of K and keeps its partial sums in float32; with SPLIT_K > 1 a sum over the
-splits follows (a second kernel, inside the same graph). A probe to decide whether the engine should carry its own
+the weight over a 1/SPLIT_K share of K and keeps its partial sums in float32; with SPLIT_K > 1 a second kernel sums the
+splits (as cuBLAS's splitKreduce does), inside the same graph. A probe to decide whether the engine should carry its own
 small-M GEMM, not part of the engine. Runs the kernel in Triton's interpreter on a CPU (correctness only).
 """
 from __future__ import annotations
@@ -23,14 +24,22 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
-          "lm_head": (128256, 2048)}  # (out features N, in features K)
-CONFIGS = [(bn, bk, s) for bn in (8, 16, 32) for bk in (128, 256, 512) for s in (1, 2, 4, 8)]
+SHAPES = {  # (out features N, in features K) of each batch-1 projection
+    "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+           "lm_head": (128256, 2048)},  # Llama-3.2-1B
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+           "lm_head": (128256, 4096)},  # Llama-3.1-8B at TP=1
+    "8b_tp2": {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
+               "lm_head": (64128, 4096)},  # one rank's shards at TP=2 (issue 23)
+}
+CONFIGS = [(bn, bk, s, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for s in (1, 2, 4) for w in (4, 8)]
 
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, k_per_split, M: tl.constexpr, M_PAD: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pid_k, m, n] = sum over this split's K of x[m, k] * w[n, k], float32 accumulation, stored in out's
+    dtype (the result itself when there is one split)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_PAD)
@@ -40,18 +49,32 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, k_per_split, M: tl.constexpr, M_PAD
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
-    tl.store(out_ptr + pid_k * M * N + m[:, None] * N + n[None, :], acc, mask=(m[:, None] < M) & (n[None, :] < N))
+    tl.store(out_ptr + pid_k * M * N + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, split_k: int) -> torch.Tensor:
+@triton.jit
+def split_sum_kernel(partial_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the sum of the SPLITS float32 partials, in out's dtype (what cuBLAS's splitKreduce does)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(partial_ptr + s * numel + i, mask=i < numel, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=i < numel)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, split_k: int, warps: int) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0]
     assert K % (split_k * block_k) == 0, (K, split_k, block_k)
-    partial = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    partial = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
     gemv_kernel[(triton.cdiv(N, block_n), split_k)](x, w, partial, N, K, K // split_k, M=M,
                                                     M_PAD=max(2, triton.next_power_of_2(M)), BLOCK_N=block_n,
-                                                    BLOCK_K=block_k)
-    return (partial[0] if split_k == 1 else partial.sum(0)).to(x.dtype)
+                                                    BLOCK_K=block_k, num_warps=warps)
+    if split_k > 1:
+        split_sum_kernel[(triton.cdiv(M * N, 1024),)](partial, out, M * N, SPLITS=split_k, BLOCK=1024)
+    return out
 
 
 def graph_us(fn, calls: int = 20, repeats: int = 10) -> float:
@@ -76,6 +99,7 @@ def graph_us(fn, calls: int = 20, repeats: int = 10) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,8")
+    p.add_argument("--shapes", default="1b,8b,8b_tp2", help=f"of {', '.join(SHAPES)}")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -85,9 +109,10 @@ def main() -> None:
     results = []
     if cuda:
         print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | bf16")
-    print("| projection | N x K | rows | weight MB | cuBLAS µs | cuBLAS TB/s | Triton µs | Triton TB/s | best (BLOCK_N, BLOCK_K, SPLIT_K) | max diff |")
+    print("| projection | N x K | rows | weight MB | cuBLAS µs | cuBLAS TB/s | Triton µs | Triton TB/s | best (BLOCK_N, BLOCK_K, SPLIT_K, warps) | max diff |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, (N, K) in SHAPES.items():
+    shapes = [(f"{model} {name}", nk) for model in args.shapes.split(",") for name, nk in SHAPES[model].items()]
+    for name, (N, K) in shapes:
         if not cuda:
             N, K = min(N, 64), min(K, 1024)  # the interpreter is slow: small shapes, correctness only
         w = torch.randn(N, K, generator=g, device=device).to(dtype) * 0.02
@@ -95,7 +120,7 @@ def main() -> None:
         for M in rows:
             x = torch.randn(M, K, generator=g, device=device).to(dtype)
             want = torch.nn.functional.linear(x, w)
-            configs = CONFIGS if cuda else [(16, 128, 1), (8, 256, 4)]
+            configs = CONFIGS if cuda else [(16, 256, 1, 4), (8, 256, 4, 4)]
             best = None
             for cfg in configs:
                 if K % (cfg[1] * cfg[2]):
