@@ -1,5 +1,8 @@
 """Where the time of one long prompt's prefill goes, on a GPU box: wall time against GPU-busy time, the
-steps it took, and the kernels that took the GPU time, grouped.
+steps it took, and the kernels that took the GPU time, grouped; then where the GPU waited: the idle time
+before the first kernel, between kernels and after the last, the longest gaps with the kernels around them,
+and the host calls that block on the device (synchronize, blocking copies) with the engine frames that made
+them (issue 24: the idle share of a 64k prefill).
 
     python3 scripts/profile_long_prefill.py --model /tmp/llama1b [--length 65536] [--max-num-batched-tokens N]
 """
@@ -23,6 +26,46 @@ def kernel_group(name: str) -> str:
         if key in n:
             return group
     return "other (" + name[:60] + ")"
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaFree")
+
+
+def idle_report(prof, wall_start_us: float, wall_end_us: float, top: int = 8) -> None:
+    """The GPU's idle time in the profiled window, by where it falls, and the host's blocking calls."""
+    events = prof.events()
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end
+                      > e.time_range.start), key=lambda e: e.time_range.start)
+    if not kernels:
+        return
+    before = kernels[0].time_range.start - wall_start_us
+    after = wall_end_us - max(k.time_range.end for k in kernels)
+    gaps, reach = [], kernels[0].time_range.end
+    for prev, k in zip(kernels, kernels[1:]):
+        if k.time_range.start > reach:
+            gaps.append((k.time_range.start - reach, reach, prev.name, k.name))
+        reach = max(reach, k.time_range.end)
+    between = sum(g[0] for g in gaps)
+    big = [g for g in gaps if g[0] >= 100]
+    print(f"\n# GPU idle: {before / 1e3:.1f} ms before the first kernel, {between / 1e3:.1f} ms between kernels "
+          f"({len(gaps)} gaps; {len(big)} of >= 100 us: {sum(g[0] for g in big) / 1e3:.1f} ms), "
+          f"{after / 1e3:.1f} ms after the last")
+    print("| gap us | at ms | kernel before | kernel after |")
+    print("|---|---|---|---|")
+    for us, at, a, b in sorted(gaps, reverse=True)[:top]:
+        print(f"| {us:.0f} | {(at - wall_start_us) / 1e3:.1f} | {a[:60]} | {b[:60]} |")
+    blocking = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU
+                and any(e.name.startswith(n) for n in SYNC_CALLS) and not e.name.startswith("cudaMemcpyAsync")]
+    by_site = collections.defaultdict(lambda: [0, 0.0])
+    for e in blocking:
+        frames = [f for f in (e.stack or []) if "flexengine" in f or "torch/_inductor" in f][:3]
+        site = (e.name, " <- ".join(frames) or "(no engine frame)")
+        by_site[site][0] += 1
+        by_site[site][1] += e.time_range.end - e.time_range.start
+    print("\n| host call blocking on the device | calls | ms | where |")
+    print("|---|---|---|---|")
+    for (name, where), (n, us) in sorted(by_site.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"| {name} | {n} | {us / 1e3:.2f} | {where[:200]} |")
 
 
 def main() -> None:
@@ -50,11 +93,12 @@ def main() -> None:
 
     engine.scheduler.schedule = counting
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        with torch.profiler.record_function("generate"):
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
     engine.scheduler.schedule = schedule
     groups = collections.defaultdict(float)
     for e in prof.key_averages():
@@ -69,6 +113,9 @@ def main() -> None:
     print("|---|---|---|")
     for name, us in sorted(groups.items(), key=lambda kv: -kv[1])[:14]:
         print(f"| {name} | {us / 1e6:.3f} | {us / 1e6 / busy:.0%} |")
+    span = next((e for e in prof.events() if e.name == "generate"), None)
+    if span is not None:
+        idle_report(prof, span.time_range.start, span.time_range.end)
 
 
 if __name__ == "__main__":
