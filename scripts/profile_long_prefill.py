@@ -1,8 +1,8 @@
 """Where the time of one long prompt's prefill goes, on a GPU box: wall time against GPU-busy time, the
 steps it took, and the kernels that took the GPU time, grouped; then where the GPU waited: the idle time
 before the first kernel, between kernels and after the last, the longest gaps with the kernels around them,
-and the host calls that block on the device (synchronize, blocking copies) with the engine frames that made
-them (issue 24: the idle share of a 64k prefill).
+and the host calls that block on the device (synchronize, blocking copies): issue 24, the idle share of a 64k
+prefill.
 
     python3 scripts/profile_long_prefill.py --model /tmp/llama1b [--length 65536] [--max-num-batched-tokens N]
 """
@@ -28,14 +28,15 @@ def kernel_group(name: str) -> str:
     return "other (" + name[:60] + ")"
 
 
+WINDOW = "generate"  # the profiled call's range
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaFree")
 
 
 def idle_report(prof, wall_start_us: float, wall_end_us: float, top: int = 8) -> None:
     """The GPU's idle time in the profiled window, by where it falls, and the host's blocking calls."""
     events = prof.events()
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end
-                      > e.time_range.start), key=lambda e: e.time_range.start)
+    kernels = sorted((e for e in events if is_kernel(e) and e.time_range.end > e.time_range.start),
+                     key=lambda e: e.time_range.start)
     if not kernels:
         return
     before = kernels[0].time_range.start - wall_start_us
@@ -54,18 +55,22 @@ def idle_report(prof, wall_start_us: float, wall_end_us: float, top: int = 8) ->
     print("|---|---|---|---|")
     for us, at, a, b in sorted(gaps, reverse=True)[:top]:
         print(f"| {us:.0f} | {(at - wall_start_us) / 1e3:.1f} | {a[:60]} | {b[:60]} |")
-    blocking = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU
-                and any(e.name.startswith(n) for n in SYNC_CALLS) and not e.name.startswith("cudaMemcpyAsync")]
-    by_site = collections.defaultdict(lambda: [0, 0.0])
-    for e in blocking:
-        frames = [f for f in (e.stack or []) if "flexengine" in f or "torch/_inductor" in f][:3]
-        site = (e.name, " <- ".join(frames) or "(no engine frame)")
-        by_site[site][0] += 1
-        by_site[site][1] += e.time_range.end - e.time_range.start
-    print("\n| host call blocking on the device | calls | ms | where |")
-    print("|---|---|---|---|")
-    for (name, where), (n, us) in sorted(by_site.items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"| {name} | {n} | {us / 1e3:.2f} | {where[:200]} |")
+    blocking = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(SYNC_CALLS) \
+                and not e.name.startswith("cudaMemcpyAsync"):
+            blocking[e.name][0] += 1
+            blocking[e.name][1] += e.time_range.end - e.time_range.start
+    print("\n| host call blocking on the device | calls | ms |")
+    print("|---|---|---|")
+    for name, (n, us) in sorted(blocking.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {name} | {n} | {us / 1e3:.2f} |")
+
+
+def is_kernel(e) -> bool:
+    """A GPU kernel or copy, not a user annotation's range (record_function shows on the GPU's timeline too)."""
+    return e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False) \
+        and e.name != WINDOW
 
 
 def main() -> None:
@@ -93,8 +98,8 @@ def main() -> None:
 
     engine.scheduler.schedule = counting
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        with torch.profiler.record_function("generate"):
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], ) as prof:
+        with torch.profiler.record_function(WINDOW):
             start = time.perf_counter()
             llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
             torch.cuda.synchronize()
@@ -103,7 +108,7 @@ def main() -> None:
     groups = collections.defaultdict(float)
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", 0.0) or 0.0
-        if us and e.device_type == torch.autograd.DeviceType.CUDA:
+        if us and e.device_type == torch.autograd.DeviceType.CUDA and e.key != WINDOW:
             groups[kernel_group(e.key)] += us
     busy = sum(groups.values()) / 1e6
     print(f"# one {args.length}-token prompt: {wall:.3f} s wall (profiled), GPU busy {busy:.3f} s ({busy / wall:.0%}), "
@@ -113,7 +118,7 @@ def main() -> None:
     print("|---|---|---|")
     for name, us in sorted(groups.items(), key=lambda kv: -kv[1])[:14]:
         print(f"| {name} | {us / 1e6:.3f} | {us / 1e6 / busy:.0%} |")
-    span = next((e for e in prof.events() if e.name == "generate"), None)
+    span = next((e for e in prof.events() if e.name == WINDOW and e.device_type == torch.autograd.DeviceType.CPU), None)
     if span is not None:
         idle_report(prof, span.time_range.start, span.time_range.end)
 
