@@ -28,6 +28,9 @@ def run_one(args, size: int, out: str) -> None:
     from flexengine.benchmarks.common import as_requests, random_prompts, show_engine_info, timed
     from flexengine.compile import compile_count
     show_engine_info()  # KV cache, warm-up and capture seconds in the log of each size
+    if torch.cuda.is_available() and args.device != "cpu":  # what the docs' tables name: the cards, torch, NCCL
+        print(f"# TP={size}: {torch.cuda.device_count()} x {torch.cuda.get_device_name()} | torch {torch.__version__} "
+              f"| NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() and args.device != "cpu" else "float32")
     # no prefix cache: the noise run repeats the parity prompts, and must compute them afresh, not read their pages
     llm, build_s = timed(LLM, args.model, dtype=dtype, device=args.device, tensor_parallel_size=size,
