@@ -16,6 +16,7 @@ from ..attention.layer import Attention
 from ..compile import fused
 from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
+from ..layers.gemv import gemv, norm_gemv, one_row, silu_gemv
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..masks import causal, sliding_window, softcap
@@ -81,8 +82,12 @@ class DecoderAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, hidden] → q [T, Hq, D], k and v [T, Hkv, D], rotary applied."""
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.heads(self.qkv_proj(x), cos, sin)
+
+    def heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The projection's output [T, (Hq + 2 Hkv) D] → q, k, v as qkv() gives them."""
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(T, -1, self.head_dim), k.view(T, -1, self.head_dim), v.view(T, -1, self.head_dim)
         if hasattr(self, "q_norm"):  # per head, before rotary (Qwen3, Gemma 3)
             q, k = self.q_norm(q), self.k_norm(k)
@@ -107,6 +112,14 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
+    def one_row(self, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """forward(norm(x + h)) for one row, on the one-row kernels: the sum and the norm inside the gate/up
+        projection, SiLU's gating inside the down projection (another activation keeps its own kernel)."""
+        gate_up = norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps)[0]
+        if self.act.name in ("silu", "swish"):
+            return self.down_proj.finish(silu_gemv(gate_up, self.down_proj.weight))
+        return self.down_proj(self.act(gate_up))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, layer_type: str, attn: Attention):
@@ -122,6 +135,11 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
+        # One-row steps (batch-1 decode) fold the norms into the projections after them where the norm is
+        # plain (not Gemma's 1 + w) and the projection has no bias (layers/gemv.py).
+        plain = not spec.norm_unit_offset
+        self.fold_qkv = plain and not spec.qkv_bias
+        self.fold_mlp = plain and not spec.mlp_bias and not self.sandwich
 
     # The layer's work on either side of attention is two compiled regions on the CUDA engine (one
     # Inductor graph each, dynamic in T, shared by every layer); paged attention stays between them.
@@ -134,9 +152,14 @@ class DecoderLayer(nn.Module):
         """→ (the queries, the residual stream): x plus the last layer's additions (None in the first layer).
         The step's new K/V go into the paged cache here, so that Inductor stores them from the rotary kernel
         instead of two copy launches after it (the caches are separate tensors for this: attention/kv_cache.py)."""
-        if attn_delta is not None:
-            x = x + attn_delta + mlp_delta
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        if self.fold_qkv and one_row(x):
+            norm = self.input_layernorm
+            qkv, x = norm_gemv(x, attn_delta, mlp_delta, norm.weight, self.self_attn.qkv_proj.weight, norm.eps)
+            q, k, v = self.self_attn.heads(qkv, cos, sin)
+        else:
+            if attn_delta is not None:
+                x = x + attn_delta + mlp_delta
+            q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         write_kv(k_cache, v_cache, k, v, slot_mapping)
         return q, x
 
@@ -148,6 +171,8 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             h = self.post_attention_layernorm(h)
             return h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x + h)))
+        if self.fold_mlp and one_row(x):
+            return h, self.mlp.one_row(x, h, self.post_attention_layernorm)
         return h, self.mlp(self.post_attention_layernorm(x + h))
 
     def forward(self, x, deltas, cos, sin, meta):
@@ -243,7 +268,8 @@ class DecoderForCausalLM(nn.Module):
         """[N, V] logits, in float32 unless `float32` is False (the model dtype: prompt logprobs score every
         prompt row, and reduce them in float32 without a [rows, vocab] float32 copy)."""
         head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
-        logits = gather_vocab(nn.functional.linear(hidden, head.weight), head)  # [N, V] on every rank
+        rows = gemv(hidden, head.weight) if one_row(hidden) else nn.functional.linear(hidden, head.weight)
+        logits = gather_vocab(rows, head)  # [N, V] on every rank
         if self.spec.final_softcap is not None:  # in the model dtype, as transformers does
             cap = self.spec.final_softcap
             logits = torch.tanh(logits / cap) * cap

@@ -1,0 +1,157 @@
+"""One-row projections for the batch-1 decode step, with the step before each folded into it (issue 16).
+
+At batch 1 each projection is a GEMV that reads its weight once, and the small kernels between them (the
+residual sum with its RMSNorm, the gated activation) cost their own run plus a launch gap each. Here a
+projection's Triton kernel computes its input itself:
+
+- `norm_gemv`: w @ rmsnorm(x [+ a] [+ b]) — the decoder's residual additions and norm in the prologue (each
+  program recomputes the row's statistics from L2); the summed residual stream comes out too;
+- `silu_gemv`: w @ (silu(g) * u) for x = [g | u], the MLP's down projection with its activation;
+- `gemv`: w @ x, the LM head (9-10% faster than cuBLAS on the H100 at one row).
+
+On the H100 (scripts/gemv_probe.py, docs/benchmarks.md session 22) the kernel reads the weights as fast as
+cuBLAS's, and the norm costs it 1-5 µs where the norm's own kernel cost ~2.3 µs and a launch gap. Each op
+is a torch custom op, so compiled regions and CUDA graphs hold it; off CUDA (and where `one_row` says no)
+the model keeps its plain path, which the reference implementations below equal (tests/test_gemv.py).
+`FLEXENGINE_ONE_ROW_GEMV=off` turns it off.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..config import env_one_row_gemv
+
+BLOCK_N, BLOCK_K, WARPS = 4, 1024, 4  # the probe's best at one row, for every projection of the 1B and 8B shapes
+ENABLED = env_one_row_gemv()  # read once: compiled regions guard on this global, not on the environment
+
+
+def one_row(x: torch.Tensor) -> bool:
+    """Whether the step's projections of x take the one-row kernels: one row of a 16-bit float on CUDA."""
+    return ENABLED and x.shape[0] == 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
+                    PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, WRITE_SUM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # PROLOGUE 0: the input is x; 1: rmsnorm(x + a + b) * nw; 2: silu(x[:K]) * x[K:]
+        pid = tl.program_id(0)
+        dtype = out_ptr.dtype.element_ty
+        inv = 0.0
+        if PROLOGUE == 1:
+            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                h = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                if HAS_A:
+                    h += tl.load(a_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                if HAS_B:
+                    h += tl.load(b_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                h = h.to(dtype).to(tl.float32)  # the residual stream is stored in the model dtype
+                if WRITE_SUM:
+                    if pid == 0:
+                        tl.store(sum_ptr + k, h.to(dtype), mask=k < K)
+                sq += h * h
+            inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if PROLOGUE == 1:
+                h = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                if HAS_A:
+                    h += tl.load(a_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                if HAS_B:
+                    h += tl.load(b_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                h = h.to(dtype).to(tl.float32)
+                nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                x = ((h * inv).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)  # RMSNorm's roundings
+            elif PROLOGUE == 2:
+                g = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                u = tl.load(x_ptr + K + k, mask=k < K, other=0.0).to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # silu(g), rounded as F.silu's output
+                x = (act * u).to(dtype).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+            acc += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
+        tl.store(out_ptr + n, acc.to(dtype), mask=n < N)
+
+    return gemv_kernel
+
+
+def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = False):
+    N, K = w.shape
+    assert x.shape[0] == 1 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
+    out = x.new_empty(1, N)
+    total = x.new_empty(1, K) if write_sum else out
+    dummy = x  # never read: HAS_A / HAS_B / the prologue say which pointers are
+    _kernel()[(-(-N // BLOCK_N),)](
+        x, a if a is not None else dummy, b if b is not None else dummy, nw if nw is not None else dummy, w, out,
+        total, N, K, eps, PROLOGUE=prologue, HAS_A=a is not None, HAS_B=b is not None, WRITE_SUM=write_sum,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS)
+    return out, total
+
+
+def _reference_sum(x, a, b):
+    h = x.to(torch.float32, copy=True)  # a new tensor even when x is float32: an op's output may not alias its input
+    for t in (a, b):
+        if t is not None:
+            h = h + t.float()
+    return h.to(x.dtype)
+
+
+def _reference_norm(h, nw, eps):
+    hf = h.float()
+    return nw * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+@torch.library.custom_op("flexengine::norm_gemv", mutates_args=())
+def norm_gemv(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, norm_weight: torch.Tensor,
+              weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight @ rmsnorm(x + a + b), x + a + b) for one row x [1, K]; a, b optional, added in float32 and the sum
+    rounded once to x's dtype, as the compiled regions' norm kernel does."""
+    if x.is_cuda:
+        return _launch(x.contiguous(), a, b, norm_weight, weight, 1, eps, write_sum=True)
+    h = _reference_sum(x, a, b)
+    return F.linear(_reference_norm(h, norm_weight, eps), weight), h
+
+
+@norm_gemv.register_fake
+def _(x, a, b, norm_weight, weight, eps):
+    return x.new_empty(1, weight.shape[0]), x.new_empty(1, x.shape[1])
+
+
+@torch.library.custom_op("flexengine::silu_gemv", mutates_args=())
+def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight @ (silu(g) * u) for one row gate_up = [g | u] of [1, 2K]."""
+    if gate_up.is_cuda:
+        return _launch(gate_up.contiguous(), None, None, None, weight, 2)[0]
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(g) * u, weight)
+
+
+@silu_gemv.register_fake
+def _(gate_up, weight):
+    return gate_up.new_empty(1, weight.shape[0])
+
+
+@torch.library.custom_op("flexengine::gemv", mutates_args=())
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight @ x for one row x [1, K]."""
+    if x.is_cuda:
+        return _launch(x.contiguous(), None, None, None, weight, 0)[0]
+    return F.linear(x, weight)
+
+
+@gemv.register_fake
+def _(x, weight):
+    return x.new_empty(1, weight.shape[0])

@@ -1,0 +1,137 @@
+"""The one-row projection kernels (layers/gemv.py): the Triton kernel, run by Triton's interpreter on the CPU,
+against the same arithmetic written plainly in torch; and the decoder's one-row path (the norms and SiLU folded
+into the projections) against its ordinary path, on every family, through the engine."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexengine import LLM, SamplingParams
+from flexengine.layers import gemv as G
+from flexengine.layers.norms import RMSNorm
+
+pytest.importorskip("triton")
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_the_kernel_under_triton_s_interpreter():
+    """The kernel test below, on the CPU: Triton's interpreter must be chosen before triton is first imported,
+    so it runs in a process of its own. float32 only: the interpreter rounds to bfloat16 by truncation, where a
+    GPU rounds to nearest (bfloat16 runs in the GPU test)."""
+    if torch.cuda.is_available() or INTERPRETED:
+        pytest.skip("the GPU runs the kernel natively; an interpreted process runs the test itself")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                           f"{__file__}::test_the_kernel_equals_the_plain_arithmetic"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def plain(prologue: int, x, a, b, nw, w, eps: float):
+    """(the projection, the residual sum) as the model's eager modules compute them, rounding where they round."""
+    dtype = x.dtype
+    if prologue == 1:
+        h = x.float()
+        for t in (a, b):
+            if t is not None:
+                h = h + t.float()
+        h = h.to(dtype)
+        norm = RMSNorm(x.shape[1], eps).to(x.device)
+        norm.weight.data = nw
+        x = norm(h)
+        return F.linear(x.float(), w.float()), h
+    if prologue == 2:
+        g, u = x.chunk(2, dim=-1)
+        x = F.silu(g) * u
+    return F.linear(x.float(), w.float()), None
+
+
+@pytest.mark.gpu
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 40), k=st.sampled_from([1, 7, 64, 1000, 1024, 1500, 2049]), prologue=st.sampled_from([0, 1, 2]),
+       summands=st.integers(0, 2), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, bf16, seed):
+    """On a GPU natively (bfloat16 and float32); on the CPU only inside the interpreted process above."""
+    if not torch.cuda.is_available() and not INTERPRETED:
+        pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bf16 = bf16 and device == "cuda"
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
+    x = rand(1, 2 * k if prologue == 2 else k)
+    a, b = (rand(1, k) if prologue == 1 and summands > i else None for i in range(2))
+    nw = (torch.rand(k, generator=g) + 0.5).to(dtype).to(device) if prologue == 1 else None
+    w = rand(n, k)
+    got, total = G._launch(x, a, b, nw, w, prologue, 1e-5, write_sum=prologue == 1)
+    want, want_total = plain(prologue, x, a, b, nw, w, 1e-5)
+    want = want.detach()
+    assert got.shape == (1, n) and got.dtype == dtype
+    # float32: summation order only; bf16: the output's rounding, and a norm input one rounding apart at most
+    tol = 1e-4 if not bf16 else 2e-2
+    assert (got.float() - want).abs().max() <= tol * (want.abs().max() + 1), (got, want)
+    if prologue == 1:
+        assert torch.equal(total, want_total)  # the residual stream, bit for bit
+
+
+def test_the_ops_off_cuda_are_the_plain_arithmetic():
+    """The custom ops' CPU implementations (what the fake kernels trace against, and the decoder test below runs)."""
+    g = torch.Generator().manual_seed(0)
+    x, a, b, nw = (torch.randn(1, 48, generator=g) for _ in range(4))
+    w = torch.randn(10, 48, generator=g)
+    out, total = G.norm_gemv(x, a, b, nw[0], w, 1e-6)
+    want, want_total = plain(1, x, a, b, nw[0], w, 1e-6)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(total, want_total)
+    gu = torch.randn(1, 96, generator=g)
+    torch.testing.assert_close(G.silu_gemv(gu, w), plain(2, gu, None, None, None, w, 0)[0])
+    torch.testing.assert_close(G.gemv(x, w), F.linear(x, w))
+
+
+def test_one_row_takes_cuda_16_bit_single_rows_only(monkeypatch):
+    monkeypatch.setattr(G, "ENABLED", True)
+    assert not G.one_row(torch.zeros(1, 8, dtype=torch.bfloat16))  # the CPU keeps the plain path
+    if torch.cuda.is_available():
+        assert G.one_row(torch.zeros(1, 8, dtype=torch.bfloat16, device="cuda"))
+        assert not G.one_row(torch.zeros(2, 8, dtype=torch.bfloat16, device="cuda"))
+        assert not G.one_row(torch.zeros(1, 8, device="cuda"))
+        monkeypatch.setattr(G, "ENABLED", False)
+        assert not G.one_row(torch.zeros(1, 8, dtype=torch.bfloat16, device="cuda"))
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied_mha", "qwen2", "qwen3", "gemma2"])
+def test_the_decoders_one_row_path_equals_its_ordinary_path(family, tmp_path, monkeypatch):
+    """Batch-1 decode with one_row forced on the CPU (the ops' plain implementations: what is checked here is
+    which weights, norms, residuals and reductions the decoder hands them) gives the tokens and logprobs of the
+    ordinary path. Families with biases or Gemma's norms keep the ordinary path where they must."""
+    from test_models_parity import make_checkpoint
+    from flexengine.models import decoder
+    _, path = make_checkpoint(family, tmp_path)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids": [1, 2, 3]}]
+
+    def run():
+        llm = LLM(path, device="cpu", max_num_seqs=1)  # decode steps of one row
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs]) for o in outs]
+
+    ordinary = run()
+    calls = []
+    monkeypatch.setattr(decoder, "one_row", lambda x: calls.append(x.shape[0]) or x.shape[0] == 1)
+    folded = run()
+    assert calls and 1 in calls
+    for (tokens, logprobs), (tokens2, logprobs2) in zip(ordinary, folded):
+        assert tokens == tokens2
+        for step, step2 in zip(logprobs[0], logprobs2[0]):
+            assert step.keys() == step2.keys()
+            for tok in step:
+                assert abs(step[tok].logprob - step2[tok].logprob) < 1e-4
