@@ -93,13 +93,14 @@ def env_split_kv() -> str:
     return _env_choice(SPLIT_KV_ENV, SPLIT_KV_MODES)
 
 
-ONE_ROW_GEMV_ENV, ONE_ROW_GEMV_MODES = "FLEXENGINE_ONE_ROW_GEMV", ("auto", "off")
+ONE_ROW_GEMV_ENV, ONE_ROW_GEMV_MODES = "FLEXENGINE_ONE_ROW_GEMV", ("off", "on")
 
 
 def env_one_row_gemv() -> bool:
-    """FLEXENGINE_ONE_ROW_GEMV: auto (the default) runs a one-row step's projections on layers/gemv.py's kernels
-    (the norm and the activation folded into them) on CUDA; off keeps cuBLAS and the separate kernels."""
-    return _env_choice(ONE_ROW_GEMV_ENV, ONE_ROW_GEMV_MODES) == "auto"
+    """FLEXENGINE_ONE_ROW_GEMV: on runs a one-row step's projections on layers/gemv.py's kernels (the norm and the
+    activation folded into them) on CUDA; off (the default until its first GPU measurement, docs/benchmarks.md
+    session 22) keeps cuBLAS and the separate kernels."""
+    return _env_choice(ONE_ROW_GEMV_ENV, ONE_ROW_GEMV_MODES) == "on"
 
 
 COMBO_KERNELS_ENV = "FLEXENGINE_COMBO_KERNELS"

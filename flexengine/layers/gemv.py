@@ -13,7 +13,8 @@ On the H100 (scripts/gemv_probe.py, docs/benchmarks.md session 22) the kernel re
 cuBLAS's, and the norm costs it 1-5 µs where the norm's own kernel cost ~2.3 µs and a launch gap. Each op
 is a torch custom op, so compiled regions and CUDA graphs hold it; off CUDA (and where `one_row` says no)
 the model keeps its plain path, which the reference implementations below equal (tests/test_gemv.py).
-`FLEXENGINE_ONE_ROW_GEMV=off` turns it off.
+Opt-in (`FLEXENGINE_ONE_ROW_GEMV=on`) until the engine's batch-1 step has been timed with it on the H100: the
+probe's numbers predict about 0.1 ms of a 1.44 ms step at 1B (session 22 ran out of device time before that).
 """
 from __future__ import annotations
 
