@@ -160,8 +160,8 @@ for stage in ${*:-tests attention compare latency}; do
            for size in 1 2; do bench_tp throughput "$size" --num-prompts 256 --input-len 256 --output-len 256; done  # >= 1.3x
            step profile_tp2 240 python3 scripts/profile_step.py --model "$MODEL8B_DIR" -tp 2 --num-prompts 64 \
              --output-len 16 --decode-batches 1,256 --arrival-batch 0; } ;;  # the all-reduces' share of a decode step
-    one_row) model && for v in off on off on; do  # issue 16: batch 1 with the one-row GEMVs, alternating with cuBLAS
-             step "latency_one_row_$v" 150 env FLEXENGINE_ONE_ROW_GEMV=$v python3 -m flexengine.cli bench latency \
+    one_row) model && for run in 1_off 2_on 3_off 4_on; do v=${run#*_}  # issue 16: batch 1, one-row GEMVs against cuBLAS
+             step "latency_one_row_$run" 150 env FLEXENGINE_ONE_ROW_GEMV=$v python3 -m flexengine.cli bench latency \
                --model "$MODEL_DIR" --dtype bfloat16 --max-num-seqs 1 --batch-size 1 --input-len 128 --output-len 256 \
                --num-iters 3; done ;;
     decode_kernel) step decode_kernel_probe 240 python3 scripts/decode_kernel_probe.py --json "$OUT/decode_kernel.json" ;;
