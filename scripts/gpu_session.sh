@@ -96,7 +96,7 @@ carried_site() {
 for stage in ${*:-tests attention compare latency}; do
   case $stage in
     tests) carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1  # xgrammar for the JSON-mode tests, if carried
-           step gpu_tests 520 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -m gpu -q \
+           step gpu_tests 520 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -m gpu -v \
              -p no:randomly -rfs --tb=short ${TESTS:-tests} ;;  # TESTS="tests/a.py tests/b.py": those files only
     tests_attention) step gpu_tests_attention 300 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short \
            tests/test_paged_attention.py tests/test_gym_mods.py tests/test_metadata.py tests/test_custom_attention.py \
