@@ -22,6 +22,7 @@ from flexengine import masks
 from flexengine.attention.backends.flex import FlexBackend
 from flexengine.attention.layout import choose_decode_splits, plan_layout
 from flexengine.attention.metadata import build_metadata
+from flexengine.benchmarks.common import graph_us
 
 SHAPES = {"1b": (32, 8, 64), "8b_tp2": (16, 4, 128), "8b": (32, 8, 128)}  # (Hq, Hkv, D)
 
@@ -46,27 +47,13 @@ def decode_call(backend, q, kc, vc, table, ctx: int, splits: int, options: dict)
                         kernel_options=options)[:, :, 0]
 
 
-def graph_us(fn, calls: int, repeats: int = 20) -> tuple[float, int]:
-    """(µs per call over `calls` calls in one CUDA graph, median of `repeats` replays; kernels per call)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+def timed_with_kernels(fn, calls: int) -> tuple[float, int]:
+    """(µs per call over `calls` calls in one CUDA graph; kernels per call, counted in one profiled replay)."""
+    us, graph = graph_us(lambda i: fn(), calls, repeats=20)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) // calls
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2], kernels
+    return us, sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) // calls
 
 
 def main() -> int:
@@ -106,7 +93,7 @@ def main() -> int:
             decoding = decode_call(backend, q, kc, vc, table, ctx, splits, {"SPLIT_KV": splits})
             main_t = decode_call(backend, q, kc, vc, table, ctx, 1, {"BACKEND": "TRITON"} if cuda else {})
             diff = (decoding().float() - main_t().float()).abs().max().item()
-            (a, ka), (b, kb) = (graph_us(decoding, args.calls), graph_us(main_t, args.calls)) if cuda else ((0, 0), (0, 0))
+            (a, ka), (b, kb) = (timed_with_kernels(decoding, args.calls), timed_with_kernels(main_t, args.calls)) if cuda else ((0, 0), (0, 0))
             print(f"| {shape} ({Hq}, {Hkv}, {D}) | {ctx} | {a:.1f} ({ka}) | {b:.1f} ({kb}) | "
                   f"{b / a if a else 0:.2f} | {diff:.1e} |", flush=True)
             results.append(dict(shape=shape, ctx=ctx, decoding_us=a, decoding_kernels=ka, main_us=b,

@@ -26,6 +26,8 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from flexengine.benchmarks.common import graph_us  # noqa: E402
+
 SHAPES = {  # (out features N, in features K) of each batch-1 projection
     "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
            "lm_head": (128256, 2048)},  # Llama-3.2-1B
@@ -110,26 +112,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, split_k: 
     return out
 
 
-def graph_us(fn, calls: int, repeats: int = 10) -> float:
-    """µs per call of fn(i), i = 0 .. calls - 1 captured in one CUDA graph, the median of `repeats` replays."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1")
@@ -165,10 +147,10 @@ def main() -> None:
                 got = gemv(x, ws[0], *cfg)
                 diff = (got.float() - want.float()).abs().max().item()
                 assert diff <= 2e-2 * want.float().abs().max().item() + 1e-3, (name, M, cfg, diff)
-                us = graph_us(lambda i: gemv(x, ws[i % copies], *cfg), calls) if cuda else 0.0
+                us = graph_us(lambda i: gemv(x, ws[i % copies], *cfg), calls)[0] if cuda else 0.0
                 if best is None or us < best[0]:
                     best = (us, cfg, diff)
-            blas = graph_us(lambda i: torch.nn.functional.linear(x, ws[i % copies]), calls) if cuda else 0.0
+            blas = graph_us(lambda i: torch.nn.functional.linear(x, ws[i % copies]), calls)[0] if cuda else 0.0
             us, cfg, diff = best
             norm_us = None
             if M == 1 and cfg[2] == 1:  # the norm in the projection's prologue, at the best plain configuration
@@ -178,7 +160,7 @@ def main() -> None:
                 ref = torch.nn.functional.linear(nw * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype), ws[0])
                 got = gemv_norm(r, d, nw, ws[0], cfg[0], cfg[1], cfg[3])
                 assert (got.float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max() + 1e-3, name
-                norm_us = graph_us(lambda i: gemv_norm(r, d, nw, ws[i % copies], cfg[0], cfg[1], cfg[3]), calls) \
+                norm_us = graph_us(lambda i: gemv_norm(r, d, nw, ws[i % copies], cfg[0], cfg[1], cfg[3]), calls)[0] \
                     if cuda else 0.0
             tbs = (lambda t: mb / t if t else 0.0)  # MB per µs = TB/s
             print(f"| {name} | {N} x {K} | {M} | {mb:.1f} | {blas:.1f} | {tbs(blas):.2f} | {us:.1f} | {tbs(us):.2f} "

@@ -73,6 +73,27 @@ def timed(fn, *a, **kw):
     return result, time.perf_counter() - start
 
 
+def graph_us(fn, calls: int, repeats: int = 10) -> tuple[float, torch.cuda.CUDAGraph]:
+    """(µs per call of fn(i), i = 0 .. calls - 1 captured in one CUDA graph: the median of `repeats` replays; the
+    graph). The kernel-probe scripts' timer: launch gaps included, host dispatch not."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2], graph
+
+
 def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     """Uniform random token ids: no tokenizer involved, and no two prompts share a KV page."""
     rng = np.random.default_rng(seed)
