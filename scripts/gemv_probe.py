@@ -10,8 +10,8 @@ read from L2), the weight bytes read per µs (TB/s), and the Triton
 kernel's best configuration and its largest difference from cuBLAS. The GEMV: each program reads BLOCK_N rows of
 the weight over a 1/SPLIT_K share of K and keeps its partial sums in float32; with SPLIT_K > 1 a second kernel sums the
 splits (as cuBLAS's splitKreduce does), inside the same graph. A probe to decide whether the engine should carry its own
-small-M GEMM, not part of the engine. The last column: the same GEMV with the
-decoder's residual sum and RMSNorm in its prologue (one row), which would spare the norm's own kernel. Runs the kernel in Triton's interpreter on a CPU (correctness only).
+small-M GEMM, not part of the engine. The last column: the engine's one-row kernel
+(flexengine/layers/gemv.py) with the decoder's residual sum and RMSNorm in its prologue, at the best configuration. Runs the kernel in Triton's interpreter on a CPU (correctness only).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from flexengine.benchmarks.common import graph_us  # noqa: E402
+from flexengine.layers.gemv import _kernel as one_row_kernel  # noqa: E402
 
 SHAPES = {  # (out features N, in features K) of each batch-1 projection
     "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
@@ -58,32 +59,13 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, k_per_split, M: tl.constexpr, M_PAD
              mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-@triton.jit
-def gemv_norm_kernel(r_ptr, d_ptr, nw_ptr, w_ptr, out_ptr, N, K, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row: out = w @ rmsnorm(r + d) * nw, the decoder's norm-then-projection in one kernel (every program
-    recomputes the row's statistics: K values, from L2)."""
-    pid_n = tl.program_id(0)
-    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        h = tl.load(r_ptr + k, mask=k < K, other=0.0).to(tl.float32) + tl.load(d_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        sq += h * h
-    inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        h = tl.load(r_ptr + k, mask=k < K, other=0.0).to(tl.float32) + tl.load(d_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        x = (h * inv).to(nw_ptr.dtype.element_ty) * tl.load(nw_ptr + k, mask=k < K, other=0.0)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        acc += tl.sum(x[None, :].to(tl.float32) * w.to(tl.float32), axis=1)
-    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n < N)
-
-
 def gemv_norm(r, d, nw, w, block_n: int, block_k: int, warps: int, eps: float = 1e-5) -> torch.Tensor:
+    """The engine's one-row kernel (flexengine/layers/gemv.py) with the residual sum r + d and the RMSNorm in its
+    prologue, at this configuration."""
     N, K = w.shape
     out = torch.empty(1, N, dtype=w.dtype, device=w.device)
-    gemv_norm_kernel[(triton.cdiv(N, block_n),)](r, d, nw, w, out, N, K, eps, BLOCK_N=block_n, BLOCK_K=block_k,
+    one_row_kernel()[(triton.cdiv(N, block_n),)](r, d, r, nw, w, out, out, N, K, eps, PROLOGUE=1, HAS_A=True,
+                                                 HAS_B=False, WRITE_SUM=False, BLOCK_N=block_n, BLOCK_K=block_k,
                                                  num_warps=warps)
     return out
 
