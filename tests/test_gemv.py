@@ -135,3 +135,30 @@ def test_the_decoders_one_row_path_equals_its_ordinary_path(family, tmp_path, mo
             assert step.keys() == step2.keys()
             for tok in step:
                 assert abs(step[tok].logprob - step2[tok].logprob) < 1e-4
+
+
+def test_the_one_row_ops_trace_in_the_compiled_regions_without_recompiles(gpu_shaped_engines, tmp_path, monkeypatch):
+    """The CUDA engine's path on the CPU (dynamo traces the layer regions and the batch-1 decode graph's step):
+    with the one-row path forced, dynamo takes the custom ops (None summands, two outputs) into the regions,
+    the tokens are the plain engine's, and nothing compiles after the warm-up."""
+    from test_models_parity import make_checkpoint
+    from flexengine.compile import compile_count
+    from flexengine.models import decoder
+    _, path = make_checkpoint("llama", tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids": [1, 2, 3]}]
+    config = dict(device="cpu", max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128)
+    sums = []  # counted inside the op's implementation, which dynamo does not trace
+    reference_sum = G._reference_sum
+    monkeypatch.setattr(G, "_reference_sum", lambda *a: sums.append(1) or reference_sum(*a))
+    monkeypatch.setattr(decoder, "one_row", lambda x: x.shape[0] == 1)
+    folded = LLM(path, **config)
+    assert folded.llm_engine.runner.static_shapes
+    before, ran = compile_count(), len(sums)
+    got = folded.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up"
+    assert len(sums) > ran  # the decode steps ran the one-row ops
+    monkeypatch.undo()
+    gpu_shaped_engines()
+    want = LLM(path, device="cpu", max_num_seqs=1).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
