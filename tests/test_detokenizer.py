@@ -97,3 +97,30 @@ def test_batched_add_streams_each_sequence_whole(tok, mode, streams):
             texts[i] += delta
     for (_, out), detok, text in zip(streams, detoks, texts):
         assert text + detok.flush() == tok.decode(out, skip_special_tokens=True)
+
+
+@st.composite
+def split_character(draw):
+    """(prompt, output) byte ids: any bytes, then a character's UTF-8 cut between the prompt's end and the output."""
+    head, tail = draw(ids), draw(st.lists(st.integers(0, BYTE_VOCAB_SIZE - 1), max_size=6))
+    char = list(draw(st.characters(min_codepoint=0x80, exclude_categories=("Cs",))).encode())
+    cut = draw(st.integers(0, len(char)))
+    return head + char[:cut], char[cut:] + tail or [32]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt_output=st.one_of(split_character(), st.tuples(ids, ids.filter(bool))))
+def test_a_prompts_broken_tail_opens_the_first_output_character(tok, prompt_output):
+    """With the byte table, the detokenizer reads only the prompt's last bytes: its text is what one UTF-8
+    decoder fed every prompt byte, then each output token's, gives after the prompt (prompts of any bytes,
+    special ids and characters split across them included)."""
+    import codecs
+    prompt, output = prompt_output
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert detok.pieces is not None
+    streamed = "".join(detok.add(t) for t in output) + detok.flush()
+    table = token_bytes(tok, True)
+    piece = lambda t: table[t] if t < len(table) else b""  # noqa: E731
+    whole = codecs.getincrementaldecoder("utf-8")("replace")
+    whole.decode(b"".join(map(piece, prompt)))
+    assert streamed == "".join(whole.decode(piece(t)) for t in output) + whole.decode(b"", final=True)

@@ -33,7 +33,8 @@ class InputProcessor:
             text, ids = None, prompt
         else:
             raise ValueError(f"a prompt must be a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        # the types' set in C: a generator over a 65,536-token prompt took 17 ms of its first token's time
+        if not isinstance(ids, (list, tuple)) or not set(map(type, ids)) <= {int}:  # (a bool's type is bool)
             raise ValueError("prompt_token_ids must be a list of integers")
         return text, list(ids)
 
@@ -42,9 +43,9 @@ class InputProcessor:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if not prompt_ids:
             raise ValueError("the prompt is empty: it needs at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab_size:  # the loop only to name the first
+            bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens, more than max_model_len={self.max_model_len}")
         if self.look_ahead and len(prompt_ids) > self.max_num_batched_tokens:
