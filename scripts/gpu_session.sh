@@ -162,8 +162,8 @@ for stage in ${*:-tests attention compare latency}; do
              --output-len 16 --decode-batches 1,256 --arrival-batch 0; } ;;  # the all-reduces' share of a decode step
     one_row) model && for run in 1_off 2_on 3_off 4_on; do v=${run#*_}  # issue 16: batch 1, one-row GEMVs against cuBLAS
              step "latency_one_row_$run" 150 env FLEXENGINE_ONE_ROW_GEMV=$v python3 -m flexengine.cli bench latency \
-               --model "$MODEL_DIR" --dtype bfloat16 --max-num-seqs 1 --batch-size 1 --input-len 128 --output-len 256 \
-               --num-iters 3; done ;;
+               --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --max-num-seqs 1 --batch-size 1 --input-len 128 \
+               --output-len 256 --num-iters 3; done ;;  # (a 4,096-token context: four quick builds, not four cold 131k ones)
     decode_kernel) step decode_kernel_probe 240 python3 scripts/decode_kernel_probe.py --json "$OUT/decode_kernel.json" ;;
            # issue 16: one decode request's attention, flex's decoding template against its main one, by context
     gemv) step gemv_probe 450 python3 scripts/gemv_probe.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" ;;  # issues 16, 23: cuBLAS vs a GEMV
