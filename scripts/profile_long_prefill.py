@@ -98,7 +98,7 @@ def main() -> None:
 
     engine.scheduler.schedule = counting
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], ) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with torch.profiler.record_function(WINDOW):
             start = time.perf_counter()
             llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
