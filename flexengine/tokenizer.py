@@ -118,7 +118,8 @@ class IncrementalDetokenizer:
     def _tail_bytes(self) -> bytes:
         """The bytes of the prompt's last tokens, at least 4 of them where the prompt has so many: all the
         incremental decoder must see to hold back a character the prompt leaves unfinished (at most 3 bytes),
-        where decoding the whole prompt took 20 ms of a 65,536-token prompt's first token."""
+        instead of the whole prompt's (scripts/add_request_time.py: admitting 65,536 tokens 9.6 -> 4.1 ms with
+        the id checks)."""
         tail, n = [], 0
         for i in reversed(self.ids):
             tail.append(self._bytes((i,)))
