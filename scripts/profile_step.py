@@ -193,10 +193,14 @@ def main() -> None:
                    help="decoding requests next to the arriving prompt in the profiled arrival step (0: skip)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks the model is sharded over; the profile is rank 0's (the engine's process)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context per request (default: the model's own; a short one builds faster)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests per step")
     args = p.parse_args()
     start = time.perf_counter()
     llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "auto",
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     runner = llm.llm_engine.runner
     print(f"# engine built in {time.perf_counter() - start:.1f} s on {device}; attention {runner.backend.name}, "

@@ -1,20 +1,19 @@
-"""One-row projections for the batch-1 decode step, with the step before each folded into it (issue 16).
+"""One-row projections for the batch-1 decode step, with the norm before them folded in (issue 16).
 
 At batch 1 each projection is a GEMV that reads its weight once, and the small kernels between them (the
-residual sum with its RMSNorm, the gated activation) cost their own run plus a launch gap each. Here a
-projection's Triton kernel computes its input itself:
+residual sum with its RMSNorm) cost their own run plus a launch gap each. Here a projection's Triton kernel
+computes its input itself:
 
 - `norm_gemv`: w @ rmsnorm(x [+ a] [+ b]) — the decoder's residual additions and norm in the prologue (each
   program recomputes the row's statistics from L2); the summed residual stream comes out too;
-- `silu_gemv`: w @ (silu(g) * u) for x = [g | u], the MLP's down projection with its activation;
 - `gemv`: w @ x, the LM head (9-10% faster than cuBLAS on the H100 at one row).
 
-On the H100 (scripts/gemv_probe.py, docs/benchmarks.md session 22) the kernel reads the weights as fast as
-cuBLAS's, and the norm costs it 1-5 µs where the norm's own kernel cost ~2.3 µs and a launch gap. Each op
-is a torch custom op, so compiled regions and CUDA graphs hold it; off CUDA (and where `one_row` says no)
-the model keeps its plain path, which the reference implementations below equal (tests/test_gemv.py).
-Opt-in (`FLEXENGINE_ONE_ROW_GEMV=on`) until the engine's batch-1 step has been timed with it on the H100: the
-probe's numbers predict about 0.1 ms of a 1.44 ms step at 1B (session 22 ran out of device time before that).
+Measured in the engine on the H100 (scripts/one_row_parts.py, docs/benchmarks.md session 23): batch 1 at 1.378
+ms/token against 1.419-1.423 with cuBLAS and the separate norms. Folding SiLU's gating into the down projection
+the same way lost 0.076 ms (every program re-read and re-activated the 8,192-wide gate/up row), so the down
+projection stays on cuBLAS. Each op is a torch custom op, so compiled regions and CUDA graphs hold it; off CUDA
+(and where `one_row` says no) the model keeps its plain path, which the reference implementations below equal
+(tests/test_gemv.py). `FLEXENGINE_ONE_ROW_GEMV=off` turns it off.
 """
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ def _kernel():
     def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
                     PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, WRITE_SUM: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # PROLOGUE 0: the input is x; 1: rmsnorm(x + a + b) * nw; 2: silu(x[:K]) * x[K:]
+        # PROLOGUE 0: the input is x; 1: rmsnorm(x + a + b) * nw
         pid = tl.program_id(0)
         dtype = out_ptr.dtype.element_ty
         inv = 0.0
@@ -75,11 +74,6 @@ def _kernel():
                 h = h.to(dtype).to(tl.float32)
                 nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
                 x = ((h * inv).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)  # RMSNorm's roundings
-            elif PROLOGUE == 2:
-                g = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                u = tl.load(x_ptr + K + k, mask=k < K, other=0.0).to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # silu(g), rounded as F.silu's output
-                x = (act * u).to(dtype).to(tl.float32)
             else:
                 x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
@@ -129,20 +123,6 @@ def norm_gemv(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, n
 @norm_gemv.register_fake
 def _(x, a, b, norm_weight, weight, eps):
     return x.new_empty(1, weight.shape[0]), x.new_empty(1, x.shape[1])
-
-
-@torch.library.custom_op("flexengine::silu_gemv", mutates_args=())
-def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """weight @ (silu(g) * u) for one row gate_up = [g | u] of [1, 2K]."""
-    if gate_up.is_cuda:
-        return _launch(gate_up.contiguous(), None, None, None, weight, 2)[0]
-    g, u = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(g) * u, weight)
-
-
-@silu_gemv.register_fake
-def _(gate_up, weight):
-    return gate_up.new_empty(1, weight.shape[0])
 
 
 @torch.library.custom_op("flexengine::gemv", mutates_args=())

@@ -16,7 +16,7 @@ from ..attention.layer import Attention
 from ..compile import fused
 from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
-from ..layers.gemv import gemv, norm_gemv, one_row, silu_gemv
+from ..layers.gemv import gemv, norm_gemv, one_row
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..masks import causal, sliding_window, softcap
@@ -113,11 +113,8 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def one_row(self, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """forward(norm(x + h)) for one row, on the one-row kernels: the sum and the norm inside the gate/up
-        projection, SiLU's gating inside the down projection (another activation keeps its own kernel)."""
+        """forward(norm(x + h)) for one row: the sum and the norm inside the gate/up projection's kernel."""
         gate_up = norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps)[0]
-        if self.act.name in ("silu", "swish"):
-            return self.down_proj.finish(silu_gemv(gate_up, self.down_proj.weight))
         return self.down_proj(self.act(gate_up))
 
 

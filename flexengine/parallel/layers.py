@@ -102,12 +102,6 @@ class RowParallelLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         return all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None), self.group)
 
-    def finish(self, partial: torch.Tensor) -> torch.Tensor:
-        """forward's output from this rank's x W^T, computed elsewhere (a one-row kernel): the bias, the sum."""
-        if self.bias is not None and self.tp_rank == 0:
-            partial = partial + self.bias
-        return partial if self.tp_size == 1 else all_reduce(partial, self.group)
-
     def checkpoint_sources(self) -> dict[str, tuple[tuple[int, ...], tuple]]:
         if self.tp_size == 1:
             return {}
