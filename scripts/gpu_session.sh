@@ -14,7 +14,8 @@
 # (scripts/step_host_time.py: host time of each step's inputs), host_sampling (the same for issue 20's JSON and
 # penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
-# layers/gemv.py's kernels, scripts/one_row_parts.py, alternating), splits
+# layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
+# latency at batch 8 and 32), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
 # still run without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto,
@@ -161,10 +162,13 @@ for stage in ${*:-tests attention compare latency}; do
            for size in 1 2; do bench_tp throughput "$size" --num-prompts 256 --input-len 256 --output-len 256; done  # >= 1.3x
            step profile_tp2 240 python3 scripts/profile_step.py --model "$MODEL8B_DIR" -tp 2 --num-prompts 64 \
              --output-len 16 --decode-batches 1,256 --arrival-batch 0; } ;;  # the all-reduces' share of a decode step
-    one_row) model && for run in 1_none 2_norm,head 3_none 4_norm,head; do parts=${run#*_}  # issue 16: batch 1,
-             step "latency_one_row_$run" 150 python3 scripts/one_row_parts.py ${parts/none/} -- \
+    one_row) model && i=0 && for parts in ${ONE_ROW_VARIANTS:-none norm,silu,head none norm,silu,head}; do i=$((i+1))
+             step "latency_one_row_${i}_$parts" 150 python3 scripts/one_row_parts.py ${parts/none/} -- \
                --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --max-num-seqs 1 --batch-size 1 \
-               --input-len 128 --output-len 256 --num-iters 3; done ;;  # one-row GEMVs (layers/gemv.py) against cuBLAS
+               --input-len 128 --output-len 256 --num-iters 3; done ;;  # issue 16: batch 1 with and without layers/gemv.py
+    small_batches) model && for b in 8 32; do step "latency_batch_$b" 150 python3 -m flexengine.cli bench latency \
+             --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --max-num-seqs $b --batch-size $b \
+             --input-len 128 --output-len 256 --num-iters 3; done ;;  # issue 16: ms a step at batch 8 and 32
     decode_kernel) step decode_kernel_probe 240 python3 scripts/decode_kernel_probe.py --json "$OUT/decode_kernel.json" ;;
            # issue 16: one decode request's attention, flex's decoding template against its main one, by context
     gemv) step gemv_probe 450 python3 scripts/gemv_probe.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" ;;  # issues 16, 23: cuBLAS vs a GEMV

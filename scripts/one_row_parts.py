@@ -1,16 +1,15 @@
 """Issue 16: which of the one-row kernels (layers/gemv.py) pays at batch 1, measured in the engine.
 
-`FLEXENGINE_ONE_ROW_GEMV=on` (the default) puts two things on the Triton GEMV: the residual sum and RMSNorm folded
-into q/k/v and gate/up ("norm"), and the LM head ("head"). This runs `flexengine bench latency` with only the named
-parts kept; the others take the ordinary path (cuBLAS and Inductor's kernels):
+The engine's one-row path (`FLEXENGINE_ONE_ROW_GEMV=on`, the default) puts three things on the Triton GEMV: the
+residual sum and RMSNorm folded into q/k/v and gate/up ("norm"), SiLU's gating as gate/up's epilogue ("silu",
+which rides on "norm"), and the LM head ("head"). This runs `flexengine bench latency` with only the named parts;
+the others take the ordinary path (cuBLAS and Inductor's kernels). "down" adds one the engine does not take: the
+down projection on the plain GEMV instead of cuBLAS (one model with neither bias nor tensor parallelism):
 
-    python3 scripts/one_row_parts.py norm -- --model DIR --max-model-len 4096 ...
+    python3 scripts/one_row_parts.py norm,silu,head -- --model DIR --max-model-len 4096 ...
 
-Session 23 timed a third part here, SiLU's gating folded into the down projection: it lost 0.076 ms a step and
-was removed (docs/benchmarks.md).
-
-The parts are removed by replacing the decoder's hooks before the engine is built, so that the compiled regions
-and graphs never see them; everything after `--` goes to `flexengine bench latency`.
+Session 23 timed SiLU's gating folded into the down projection's prologue instead: it lost 0.076 ms a step
+(docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -18,10 +17,11 @@ import sys
 
 import torch.nn.functional as F
 
-PARTS = ("norm", "head")
+PARTS = ("norm", "silu", "head", "down")
 
 
-def keep_only(parts: set[str]) -> None:
+def use_only(parts: set[str]) -> None:
+    from flexengine.layers.gemv import gemv
     from flexengine.models import decoder
     if "norm" not in parts:
         init = decoder.DecoderLayer.__init__
@@ -30,8 +30,18 @@ def keep_only(parts: set[str]) -> None:
             init(self, *args, **kwargs)
             self.fold_qkv = self.fold_mlp = False
         decoder.DecoderLayer.__init__ = no_norm_fold
+    if "silu" not in parts or "down" in parts:
+        def one_row(self, x, h, norm):
+            gated = "silu" in parts
+            act = decoder.norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps, gated)[0]
+            act = act if gated else self.act(act)
+            if "down" in parts:
+                assert self.down_proj.bias is None and self.down_proj.tp_size == 1
+                return gemv(act, self.down_proj.weight)
+            return self.down_proj(act)
+        decoder.DecoderMLP.one_row = one_row
     if "head" not in parts:
-        decoder.gemv = F.linear
+        decoder.gemv = F.linear  # compute_logits' only use of the name
 
 
 def main() -> int:
@@ -39,8 +49,8 @@ def main() -> int:
     parts = set(filter(None, ",".join(sys.argv[1:split]).split(",")))
     if not parts <= set(PARTS):
         raise SystemExit(f"unknown parts {sorted(parts - set(PARTS))}: choose from {PARTS}")
-    keep_only(parts)
-    print(f"# one-row parts kept: {sorted(parts) or 'none'}", flush=True)
+    use_only(parts)
+    print(f"# one-row parts: {sorted(parts) or 'none'}", flush=True)
     from flexengine.cli import main as cli
     return cli(["bench", "latency", *sys.argv[split + 1:]])
 

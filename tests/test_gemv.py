@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from flexengine import LLM, SamplingParams
 from flexengine.layers import gemv as G
+from flexengine.layers.activation import act_and_mul
 from flexengine.layers.norms import RMSNorm
 
 pytest.importorskip("triton")
@@ -36,8 +37,12 @@ def test_the_kernel_under_triton_s_interpreter():
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def plain(prologue: int, x, a, b, nw, w, eps: float):
-    """(the projection, the residual sum) as the model's eager modules compute them, rounding where they round."""
+def plain(prologue: int, x, a, b, nw, w, eps: float, gated: bool = False):
+    """(the projection, the residual sum) as the model's eager modules compute them, rounding where they round;
+    `gated`: the projection through the MLP's SiLU-and-mul."""
+    if gated:
+        out, h = plain(prologue, x, a, b, nw, w, eps)
+        return act_and_mul(out, "silu"), h
     dtype = x.dtype
     if prologue == 1:
         h = x.float()
@@ -55,8 +60,8 @@ def plain(prologue: int, x, a, b, nw, w, eps: float):
 @pytest.mark.gpu
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 40), k=st.sampled_from([1, 7, 64, 1000, 1024, 1500, 2049]), prologue=st.sampled_from([0, 1]),
-       summands=st.integers(0, 2), bf16=st.booleans(), seed=st.integers(0, 2**16))
-def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, bf16, seed):
+       summands=st.integers(0, 2), gated=st.booleans(), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, gated, bf16, seed):
     """On a GPU natively (bfloat16 and float32); on the CPU only inside the interpreted process above."""
     if not torch.cuda.is_available() and not INTERPRETED:
         pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
@@ -68,9 +73,9 @@ def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, bf16, 
     x = rand(1, k)
     a, b = (rand(1, k) if prologue == 1 and summands > i else None for i in range(2))
     nw = (torch.rand(k, generator=g) + 0.5).to(dtype).to(device) if prologue == 1 else None
-    w = rand(n, k)
-    got, total = G._launch(x, a, b, nw, w, prologue, 1e-5, write_sum=prologue == 1)
-    want, want_total = plain(prologue, x, a, b, nw, w, 1e-5)
+    w = rand(2 * n if gated else n, k)
+    got, total = G._launch(x, a, b, nw, w, prologue, 1e-5, write_sum=prologue == 1, gated=gated)
+    want, want_total = plain(prologue, x, a, b, nw, w, 1e-5, gated)
     want = want.detach()
     assert got.shape == (1, n) and got.dtype == dtype
     # float32: summation order only; bf16: the output's rounding, and a norm input one rounding apart at most
@@ -89,6 +94,9 @@ def test_the_ops_off_cuda_are_the_plain_arithmetic():
     want, want_total = plain(1, x, a, b, nw[0], w, 1e-6)
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(total, want_total)
+    out, total = G.norm_gemv(x, a, b, nw[0], w, 1e-6, True)
+    torch.testing.assert_close(out, plain(1, x, a, b, nw[0], w, 1e-6, gated=True)[0])
+    assert out.shape == (1, 5)
     torch.testing.assert_close(G.gemv(x, w), F.linear(x, w))
 
 

@@ -5,7 +5,8 @@ residual sum with its RMSNorm) cost their own run plus a launch gap each. Here a
 computes its input itself:
 
 - `norm_gemv`: w @ rmsnorm(x [+ a] [+ b]) — the decoder's residual additions and norm in the prologue (each
-  program recomputes the row's statistics from L2); the summed residual stream comes out too;
+  program recomputes the row's statistics from L2); the summed residual stream comes out too; for gate/up, SiLU
+  and the gating product in the epilogue;
 - `gemv`: w @ x, the LM head (9-10% faster than cuBLAS on the H100 at one row).
 
 Measured in the engine on the H100 (scripts/one_row_parts.py, docs/benchmarks.md session 23): batch 1 at 1.378
@@ -41,8 +42,10 @@ def _kernel():
     @triton.jit
     def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
                     PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, WRITE_SUM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # PROLOGUE 0: the input is x; 1: rmsnorm(x + a + b) * nw
+                    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # PROLOGUE 0: the input is x; 1: rmsnorm(x + a + b) * nw.
+        # GATED: w is [2N, K] = [gate; up], and the output silu(w[:N] @ x) * (w[N:] @ x): a program takes the
+        # same rows of both halves, so the activation is an epilogue (no second read of anything)
         pid = tl.program_id(0)
         dtype = out_ptr.dtype.element_ty
         inv = 0.0
@@ -63,6 +66,7 @@ def _kernel():
             inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             if PROLOGUE == 1:
@@ -78,13 +82,21 @@ def _kernel():
                 x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
             acc += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
+            if GATED:
+                w = tl.load(w_ptr + (n[:, None] + N) * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                            other=0.0)
+                acc_up += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
+        if GATED:  # the projections rounded as cuBLAS's output is, then silu(g) * u rounded once, as Inductor's kernel
+            g = acc.to(dtype).to(tl.float32)
+            acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dtype).to(tl.float32)
         tl.store(out_ptr + n, acc.to(dtype), mask=n < N)
 
     return gemv_kernel
 
 
-def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = False):
+def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = False, gated: bool = False):
     N, K = w.shape
+    N = N // 2 if gated else N
     assert x.shape[0] == 1 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
     out = x.new_empty(1, N)
     total = x.new_empty(1, K) if write_sum else out
@@ -92,7 +104,7 @@ def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = F
     _kernel()[(-(-N // BLOCK_N),)](
         x, a if a is not None else dummy, b if b is not None else dummy, nw if nw is not None else dummy, w, out,
         total, N, K, eps, PROLOGUE=prologue, HAS_A=a is not None, HAS_B=b is not None, WRITE_SUM=write_sum,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS)
+        GATED=gated, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS)
     return out, total
 
 
@@ -111,18 +123,23 @@ def _reference_norm(h, nw, eps):
 
 @torch.library.custom_op("flexengine::norm_gemv", mutates_args=())
 def norm_gemv(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, norm_weight: torch.Tensor,
-              weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+              weight: torch.Tensor, eps: float, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight @ rmsnorm(x + a + b), x + a + b) for one row x [1, K]; a, b optional, added in float32 and the sum
-    rounded once to x's dtype, as the compiled regions' norm kernel does."""
+    rounded once to x's dtype, as the compiled regions' norm kernel does. `gated`: weight is [gate; up] and the
+    projection comes out as silu(gate) * up (the MLP's SiLU-and-mul)."""
     if x.is_cuda:
-        return _launch(x.contiguous(), a, b, norm_weight, weight, 1, eps, write_sum=True)
+        return _launch(x.contiguous(), a, b, norm_weight, weight, 1, eps, write_sum=True, gated=gated)
     h = _reference_sum(x, a, b)
-    return F.linear(_reference_norm(h, norm_weight, eps), weight), h
+    out = F.linear(_reference_norm(h, norm_weight, eps), weight)
+    if gated:
+        g, u = out.float().chunk(2, dim=-1)
+        out = (F.silu(g) * u).to(x.dtype)
+    return out, h
 
 
 @norm_gemv.register_fake
-def _(x, a, b, norm_weight, weight, eps):
-    return x.new_empty(1, weight.shape[0]), x.new_empty(1, x.shape[1])
+def _(x, a, b, norm_weight, weight, eps, gated=False):
+    return x.new_empty(1, weight.shape[0] // 2 if gated else weight.shape[0]), x.new_empty(1, x.shape[1])
 
 
 @torch.library.custom_op("flexengine::gemv", mutates_args=())

@@ -113,9 +113,11 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def one_row(self, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """forward(norm(x + h)) for one row: the sum and the norm inside the gate/up projection's kernel."""
-        gate_up = norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps)[0]
-        return self.down_proj(self.act(gate_up))
+        """forward(norm(x + h)) for one row: the sum and the norm inside the gate/up projection's kernel, and SiLU's
+        gating in its epilogue (another activation keeps its own kernel)."""
+        if self.act.name in ("silu", "swish"):
+            return self.down_proj(norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps, True)[0])
+        return self.down_proj(self.act(norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps)[0]))
 
 
 class DecoderLayer(nn.Module):
