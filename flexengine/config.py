@@ -98,8 +98,8 @@ ONE_ROW_GEMV_ENV, ONE_ROW_GEMV_MODES = "FLEXENGINE_ONE_ROW_GEMV", ("on", "off")
 
 def env_one_row_gemv() -> bool:
     """FLEXENGINE_ONE_ROW_GEMV: on (the default) runs a one-row step's q/k/v, gate/up and LM head projections on
-    layers/gemv.py's kernels on CUDA, the norms folded into them (0.04 ms of a 1.42 ms step on the H100,
-    docs/benchmarks.md session 23); off keeps cuBLAS and the separate norm kernels."""
+    layers/gemv.py's kernels on CUDA, the norms and SiLU folded into them (1.417 → 1.372 ms a step on the H100,
+    docs/benchmarks.md session 23); off keeps cuBLAS and the separate kernels."""
     return _env_choice(ONE_ROW_GEMV_ENV, ONE_ROW_GEMV_MODES) == "on"
 
 

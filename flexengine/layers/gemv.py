@@ -9,12 +9,13 @@ computes its input itself:
   and the gating product in the epilogue;
 - `gemv`: w @ x, the LM head (9-10% faster than cuBLAS on the H100 at one row).
 
-Measured in the engine on the H100 (scripts/one_row_parts.py, docs/benchmarks.md session 23): batch 1 at 1.378
-ms/token against 1.419-1.423 with cuBLAS and the separate norms. Folding SiLU's gating into the down projection
-the same way lost 0.076 ms (every program re-read and re-activated the 8,192-wide gate/up row), so the down
-projection stays on cuBLAS. Each op is a torch custom op, so compiled regions and CUDA graphs hold it; off CUDA
-(and where `one_row` says no) the model keeps its plain path, which the reference implementations below equal
-(tests/test_gemv.py). `FLEXENGINE_ONE_ROW_GEMV=off` turns it off.
+Measured in the engine on the H100 (scripts/one_row_parts.py, docs/benchmarks.md session 23): batch 1 at 1.372
+ms/token against 1.417 with cuBLAS and the separate kernels; the SiLU epilogue is worth ~3 µs of that. Two other
+placements lost: SiLU's gating folded into the down projection's prologue (every program re-read and re-activated
+the 8,192-wide gate/up row: +0.076 ms) and the down projection on this GEMV at all (+0.077 ms against cuBLAS's
+split-K), so the down projection stays on cuBLAS. Each op is a torch custom op, so compiled regions and CUDA graphs
+hold it; off CUDA (and where `one_row` says no) the model keeps its plain path, which the reference implementations
+below equal (tests/test_gemv.py). `FLEXENGINE_ONE_ROW_GEMV=off` turns it off.
 """
 from __future__ import annotations
 
