@@ -122,16 +122,27 @@ def test_the_decoders_one_row_path_equals_its_ordinary_path(family, tmp_path, mo
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids": [1, 2, 3]}]
 
+    folds = []
+
     def run():
         llm = LLM(path, device="cpu", max_num_seqs=1)  # decode steps of one row
+        folds.append(llm.llm_engine.runner.model.one_row_projections())
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs]) for o in outs]
 
     ordinary = run()
-    calls = []
+    calls, norm_folds = [], []
     monkeypatch.setattr(decoder, "one_row", lambda x: calls.append(x.shape[0]) or x.shape[0] == 1)
+    norm_gemv = decoder.norm_gemv
+    monkeypatch.setattr(decoder, "norm_gemv", lambda *a: norm_folds.append(a[-1] if len(a) == 7 else False)
+                        or norm_gemv(*a))
     folded = run()
     assert calls and 1 in calls
+    # which projections fold their norm: qwen2's q/k/v and llama_tied_mha's all have biases, Gemma's norms are 1 + w
+    want = {"qwen2": ["gate/up"], "gemma2": [], "llama_tied_mha": []}.get(family, ["q/k/v", "gate/up"])
+    assert folds == [want, want]
+    assert (True in norm_folds) == ("gate/up" in want)  # gate/up with SiLU-and-mul as its epilogue
+    assert (False in norm_folds) == ("q/k/v" in want)
     for (tokens, logprobs), (tokens2, logprobs2) in zip(ordinary, folded):
         assert tokens == tokens2
         for step, step2 in zip(logprobs[0], logprobs2[0]):

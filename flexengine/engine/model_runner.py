@@ -28,6 +28,7 @@ from ..attention.layout import StepLayout, plan_layout
 from ..attention.staging import to_device
 from ..compile import fused_elementwise
 from ..config import EngineConfig, resolve_device
+from ..layers import gemv as one_row_gemv
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_blocks, text_config, wanted_max_model_len,
                         workspace_tokens_wanted)
@@ -111,6 +112,10 @@ class ModelRunner:
             "one KV cache shape for every layer"
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.dtype = next(self.model.parameters()).dtype
+        if one_row_gemv.ENABLED and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
+            logger.info("batch-1 steps run %s on one-row GEMVs (FLEXENGINE_ONE_ROW_GEMV=off: cuBLAS)",
+                        ", ".join([f"{p} with its norm folded" for p in self.model.one_row_projections()]
+                                  + ["the LM head"]))
         choose_all_reduce(self.tp, self.dtype, self.device)  # one-shot or NCCL (FLEXENGINE_ALL_REDUCE)
         self.vocab_size = text_config(self.hf_config).vocab_size
         self.sampling = SamplingInputs(self.device, self.vocab_size, self.config.max_num_seqs)
