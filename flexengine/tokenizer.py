@@ -105,7 +105,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self._decode = backend_decoder(tokenizer, skip_special_tokens)  # ids -> text
-        self.ids = list(map(int, prompt_ids))
+        self.ids = list(prompt_ids)  # ints (the engine's tokenize checks): a copy in C, not a conversion per id
         self.read_offset = len(self.ids)
         self.text = ""
         self.pieces = token_bytes(tokenizer, skip_special_tokens)
