@@ -1,6 +1,7 @@
 """torch.compile policy, warm-up and CUDA-graph capture for the model runner."""
 from .policy import (RECOMPILE_LIMIT, allow_recompiles, bucket, compile_count, compiled_on_first_use, configure_dynamo,
-                     decode_buckets, fused, fused_elementwise, reset_fused, set_fused_elementwise, tile_bucket)
+                     decode_buckets, fused, fused_elementwise, pdl_options, reset_fused, set_fused_elementwise,
+                     tile_bucket)
 
 __all__ = ["RECOMPILE_LIMIT", "allow_recompiles", "bucket", "compile_count", "compiled_on_first_use", "configure_dynamo",
-           "decode_buckets", "fused", "fused_elementwise", "reset_fused", "set_fused_elementwise", "tile_bucket"]
+           "decode_buckets", "fused", "fused_elementwise", "pdl_options", "reset_fused", "set_fused_elementwise", "tile_bucket"]

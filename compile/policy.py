@@ -8,7 +8,7 @@ import functools
 import torch
 import torch._dynamo
 
-from ..config import env_combo_kernels
+from ..config import env_combo_kernels, env_pdl
 
 # Each shape class (decode batch bucket, prefill tile bucket, pool size) is one compiled graph. An
 # engine warms up O(20) classes; 64 leaves room for the model and the builder without hiding a leak.
@@ -118,11 +118,18 @@ def reset_fused() -> None:
         wrapper.compiled = {}
 
 
+def pdl_options() -> dict:
+    """Inductor options for FLEXENGINE_PDL=on (programmatic dependent launch of its Triton kernels; Inductor
+    itself generates none below sm90); empty when off, or where this torch has no such option."""
+    import torch._inductor.config as inductor_config
+    return {"triton.enable_pdl": True} if env_pdl() and hasattr(inductor_config.triton, "enable_pdl") else {}
+
+
 def compile_region(fn, combo: bool, autotune_pointwise: bool = True):
     """torch.compile as the engine's regions use it: dynamic shapes, one graph; with `combo`, Inductor's combo
-    kernels; without `autotune_pointwise`, one config per pointwise kernel (see `fused`)."""
+    kernels; without `autotune_pointwise`, one config per pointwise kernel (see `fused`); FLEXENGINE_PDL's option."""
     configure_dynamo()
-    options = {"triton.autotune_pointwise": autotune_pointwise}
+    options = {"triton.autotune_pointwise": autotune_pointwise, **pdl_options()}
     if combo:
         options["combo_kernels"] = True
     return torch.compile(fn, dynamic=True, fullgraph=True, options=options)

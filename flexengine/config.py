@@ -103,6 +103,18 @@ def env_one_row_gemv() -> bool:
     return _env_choice(ONE_ROW_GEMV_ENV, ONE_ROW_GEMV_MODES) == "on"
 
 
+PDL_ENV, PDL_MODES = "FLEXENGINE_PDL", ("off", "on")
+
+
+def env_pdl() -> bool:
+    """FLEXENGINE_PDL: on launches the engine's Triton kernels (Inductor's, through its `triton.enable_pdl`, and
+    layers/gemv.py's) with programmatic dependent launch on Hopper and later: a kernel starts while the one before
+    it drains and waits on the device (griddepcontrol) for that one's writes, instead of after a launch gap. Off
+    (the default) until measured on the H100 (issue 16: a batch-1 step is ~172 kernels with ~1 µs of gap each;
+    vLLM's issue 40543 reports 2-3% at batch 1 from Inductor's PDL). flex's attention templates stay without it."""
+    return _env_choice(PDL_ENV, PDL_MODES) == "on"
+
+
 COMBO_KERNELS_ENV = "FLEXENGINE_COMBO_KERNELS"
 
 

@@ -15,7 +15,8 @@
 # penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
-# latency at batch 8 and 32), splits
+# latency at batch 8 and 32), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
+# throughput, 4,096-token engines), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
 # still run without it), flash (throughput and latency with FA4 on the path: --attention-backend flex, auto,
@@ -166,6 +167,13 @@ for stage in ${*:-tests attention compare latency}; do
              step "latency_one_row_${i}_$parts" 150 python3 scripts/one_row_parts.py ${parts/none/} -- \
                --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --max-num-seqs 1 --batch-size 1 \
                --input-len 128 --output-len 256 --num-iters 3; done ;;  # issue 16: batch 1 with and without layers/gemv.py
+    pdl) model && for b in ${PDL_BATCHES:-1 8 32}; do for v in off on; do  # FLEXENGINE_PDL off and on, batch by batch
+             step "latency_pdl_b${b}_$v" 150 env FLEXENGINE_PDL=$v python3 -m flexengine.cli bench latency \
+               --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --max-num-seqs $b --batch-size $b \
+               --input-len 128 --output-len 256 --num-iters 3; done; done
+         for v in off on; do step "throughput_pdl_$v" 200 env FLEXENGINE_PDL=$v python3 -m flexengine.cli bench \
+             throughput --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --num-prompts 256 --input-len 256 \
+             --output-len 256; done ;;
     small_batches) model && for b in 8 32; do step "latency_batch_$b" 150 python3 -m flexengine.cli bench latency \
              --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --max-num-seqs $b --batch-size $b \
              --input-len 128 --output-len 256 --num-iters 3; done ;;  # issue 16: ms a step at batch 8 and 32

@@ -494,3 +494,24 @@ def test_combo_kernels_env_refuses_nonsense(monkeypatch):
     monkeypatch.setenv("FLEXENGINE_COMBO_KERNELS", "yes")
     with pytest.raises(ValueError, match="FLEXENGINE_COMBO_KERNELS must be 0 or 1"):
         env_combo_kernels()
+
+
+@pytest.mark.parametrize("mode", ["", "off", "on"])
+def test_pdl_env_asks_inductor_for_programmatic_launches(monkeypatch, mode):
+    """FLEXENGINE_PDL=on puts Inductor's triton.enable_pdl into every region's compile and flex's; unset or off
+    leaves it out; anything else is refused, naming the variable."""
+    from flexengine.attention.backends import flex
+    from flexengine.compile.policy import compile_region
+    monkeypatch.setenv("FLEXENGINE_PDL", mode)
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw.get("options", {})) or fn)
+    flex._compiled_flex.cache_clear()
+    try:
+        compile_region(lambda x: x, combo=False)
+        flex._compiled_flex()
+    finally:
+        flex._compiled_flex.cache_clear()
+    assert [o.get("triton.enable_pdl", False) for o in seen] == [mode == "on"] * 2
+    monkeypatch.setenv("FLEXENGINE_PDL", "yes")
+    with pytest.raises(ValueError, match="FLEXENGINE_PDL must be one of off, on"):
+        compile_region(lambda x: x, combo=False)

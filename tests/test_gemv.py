@@ -85,6 +85,23 @@ def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, gated,
         assert torch.equal(total, want_total)  # the residual stream, bit for bit
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch is a CUDA launch")
+def test_the_kernel_launched_with_pdl_computes_the_same(monkeypatch):
+    """FLEXENGINE_PDL's launch (griddepcontrol wait and trigger in the kernel, launch_pdl on the launch) changes
+    when the kernel may start, not what it computes: bit for bit what the plain launch gives."""
+    g = torch.Generator().manual_seed(3)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).cuda()  # noqa: E731
+    x, a, nw, w = rand(1, 2048), rand(1, 2048), rand(2048) + 1, rand(512, 2048)
+    runs = []
+    for pdl in (False, True):
+        monkeypatch.setattr(G, "PDL", pdl)
+        runs.append([G._launch(x, a, None, nw, w, 1, 1e-5, write_sum=True, gated=gated) for gated in (False, True)]
+                    + [G._launch(x, None, None, None, w, 0)])
+    for (plain, plain_sum), (pdl, pdl_sum) in zip(*runs):
+        assert torch.equal(plain, pdl) and torch.equal(plain_sum, pdl_sum)
+
+
 def test_the_ops_off_cuda_are_the_plain_arithmetic():
     """The custom ops' CPU implementations (what the fake kernels trace against, and the decoder test below runs)."""
     g = torch.Generator().manual_seed(0)

@@ -24,10 +24,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..config import env_one_row_gemv
+from ..config import env_one_row_gemv, env_pdl
 
 BLOCK_N, BLOCK_K, WARPS = 4, 1024, 4  # the probe's best at one row, for every projection of the 1B and 8B shapes
 ENABLED = env_one_row_gemv()  # read once: compiled regions guard on this global, not on the environment
+PDL = env_pdl()  # programmatic dependent launch (config.env_pdl), as Inductor's kernels get it
 
 
 def one_row(x: torch.Tensor) -> bool:
@@ -43,10 +44,13 @@ def _kernel():
     @triton.jit
     def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
                     PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, WRITE_SUM: tl.constexpr,
-                    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    GATED: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # PROLOGUE 0: the input is x; 1: rmsnorm(x + a + b) * nw.
         # GATED: w is [2N, K] = [gate; up], and the output silu(w[:N] @ x) * (w[N:] @ x): a program takes the
         # same rows of both halves, so the activation is an epilogue (no second read of anything)
+        # USE_PDL: launched while the kernel before drains; its writes are visible only after gdc_wait
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
         pid = tl.program_id(0)
         dtype = out_ptr.dtype.element_ty
         inv = 0.0
@@ -87,6 +91,8 @@ def _kernel():
                 w = tl.load(w_ptr + (n[:, None] + N) * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
                             other=0.0)
                 acc_up += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
+        if USE_PDL:  # the next kernel may start (it waits for this one's writes itself)
+            tl.extra.cuda.gdc_launch_dependents()
         if GATED:  # the projections rounded as cuBLAS's output is, then silu(g) * u rounded once, as Inductor's kernel
             g = acc.to(dtype).to(tl.float32)
             acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dtype).to(tl.float32)
@@ -105,7 +111,8 @@ def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = F
     _kernel()[(-(-N // BLOCK_N),)](
         x, a if a is not None else dummy, b if b is not None else dummy, nw if nw is not None else dummy, w, out,
         total, N, K, eps, PROLOGUE=prologue, HAS_A=a is not None, HAS_B=b is not None, WRITE_SUM=write_sum,
-        GATED=gated, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS)
+        GATED=gated, USE_PDL=PDL, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
+        **({"launch_pdl": True} if PDL else {}))
     return out, total
 
 

@@ -21,7 +21,7 @@ try:  # torch >= 2.9 asks for the log-sum-exp through return_aux; return_lse is 
 except ImportError:
     LSE_KWARGS = {"return_lse": True}
 
-from ...compile import compiled_on_first_use, configure_dynamo
+from ...compile import compiled_on_first_use, configure_dynamo, pdl_options
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
 from ..metadata import AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists
 from ..layout import DEAD_KV0, KV_TILE, Q_TILE
@@ -198,7 +198,8 @@ def _compiled_flex():
     # (symbolic-shape flex kernels hit an illegal memory access on torch 2.11 in the engine's mixed
     # steps; see docs/benchmarks.md).
     configure_dynamo()
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    options = pdl_options()  # (for the kernels around the template: Inductor gives templates no PDL)
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True, **({"options": options} if options else {}))
 
 
 class FlexBackend:
