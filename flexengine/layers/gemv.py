@@ -20,6 +20,7 @@ below equal (tests/test_gemv.py). `FLEXENGINE_ONE_ROW_GEMV=off` turns it off.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -101,8 +102,16 @@ def _kernel():
     return gemv_kernel
 
 
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    """A CUDA device of Hopper or later (griddepcontrol is sm90 PTX), not Triton's interpreter (no such launch)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = False, gated: bool = False):
     N, K = w.shape
+    pdl = PDL and _pdl_capable(x.device)
     N = N // 2 if gated else N
     assert x.shape[0] == 1 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
     out = x.new_empty(1, N)
@@ -111,8 +120,8 @@ def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = F
     _kernel()[(-(-N // BLOCK_N),)](
         x, a if a is not None else dummy, b if b is not None else dummy, nw if nw is not None else dummy, w, out,
         total, N, K, eps, PROLOGUE=prologue, HAS_A=a is not None, HAS_B=b is not None, WRITE_SUM=write_sum,
-        GATED=gated, USE_PDL=PDL, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
-        **({"launch_pdl": True} if PDL else {}))
+        GATED=gated, USE_PDL=pdl, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
+        **({"launch_pdl": True} if pdl else {}))
     return out, total
 
 
