@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 
 import torch
 import torch._dynamo
 
 from ..config import env_combo_kernels, env_pdl
+
+logger = logging.getLogger(__name__)
 
 # Each shape class (decode batch bucket, prefill tile bucket, pool size) is one compiled graph. An
 # engine warms up O(20) classes; 64 leaves room for the model and the builder without hiding a leak.
@@ -120,9 +123,20 @@ def reset_fused() -> None:
 
 def pdl_options() -> dict:
     """Inductor options for FLEXENGINE_PDL=on (programmatic dependent launch of its Triton kernels; Inductor
-    itself generates none below sm90); empty when off, or where this torch has no such option."""
+    itself generates none below sm90); empty when off, or where this torch has no such option (said once)."""
     import torch._inductor.config as inductor_config
-    return {"triton.enable_pdl": True} if env_pdl() and hasattr(inductor_config.triton, "enable_pdl") else {}
+    if not env_pdl():
+        return {}
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        _say_once(f"FLEXENGINE_PDL=on: torch {torch.__version__}'s Inductor has no triton.enable_pdl; its kernels "
+                  "launch without PDL (the one-row GEMVs still use it)")
+        return {}
+    return {"triton.enable_pdl": True}
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logger.warning(message)
 
 
 def compile_region(fn, combo: bool, autotune_pointwise: bool = True):
