@@ -110,8 +110,8 @@ def env_pdl() -> bool:
     """FLEXENGINE_PDL: on launches the engine's Triton kernels (Inductor's, through its `triton.enable_pdl`, and
     layers/gemv.py's) with programmatic dependent launch on Hopper and later: a kernel starts while the one before
     it drains and waits on the device (griddepcontrol) for that one's writes, instead of after a launch gap. Off
-    (the default) until measured on the H100 (issue 16: a batch-1 step is ~172 kernels with ~1 µs of gap each;
-    vLLM's issue 40543 reports 2-3% at batch 1 from Inductor's PDL). flex's attention templates stay without it."""
+    (the default) until measured on the H100 (issue 16: a batch-1 step is ~172 kernels with ~1 µs of gap each; vLLM
+    names Inductor's PDL a low-latency gain on Hopper, its issue 40543). flex's attention templates stay without it."""
     return _env_choice(PDL_ENV, PDL_MODES) == "on"
 
 
