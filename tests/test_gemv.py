@@ -83,6 +83,9 @@ def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, gated,
     assert (got.float() - want).abs().max() <= tol * (want.abs().max() + 1), (got, want)
     if prologue == 1:
         assert torch.equal(total, want_total)  # the residual stream, bit for bit
+    # a float32 output (the LM head's logits) holds the same values, rounded to the model's dtype
+    got32 = G._launch(x, a, b, nw, w, prologue, 1e-5, write_sum=prologue == 1, gated=gated, out_dtype=torch.float32)[0]
+    assert got32.dtype == torch.float32 and torch.equal(got32, got.float())
 
 
 @pytest.mark.gpu
@@ -115,6 +118,7 @@ def test_the_ops_off_cuda_are_the_plain_arithmetic():
     torch.testing.assert_close(out, plain(1, x, a, b, nw[0], w, 1e-6, gated=True)[0])
     assert out.shape == (1, 5)
     torch.testing.assert_close(G.gemv(x, w), F.linear(x, w))
+    assert torch.equal(G.gemv(x.bfloat16(), w.bfloat16(), True), F.linear(x.bfloat16(), w.bfloat16()).float())
 
 
 def test_one_row_takes_cuda_16_bit_single_rows_only(monkeypatch):

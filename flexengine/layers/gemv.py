@@ -7,7 +7,8 @@ computes its input itself:
 - `norm_gemv`: w @ rmsnorm(x [+ a] [+ b]) — the decoder's residual additions and norm in the prologue (each
   program recomputes the row's statistics from L2); the summed residual stream comes out too; for gate/up, SiLU
   and the gating product in the epilogue;
-- `gemv`: w @ x, the LM head (9-10% faster than cuBLAS on the H100 at one row).
+- `gemv`: w @ x, the LM head (9-10% faster than cuBLAS on the H100 at one row), whose logits it can store as
+  float32 for the sampler (the values rounded to the model's dtype, as before; one conversion launch fewer).
 
 Measured in the engine on the H100 (scripts/one_row_parts.py, docs/benchmarks.md session 23): batch 1 at 1.372
 ms/token against 1.417 with cuBLAS and the separate kernels; the SiLU epilogue is worth ~3 µs of that. Two other
@@ -53,7 +54,7 @@ def _kernel():
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         pid = tl.program_id(0)
-        dtype = out_ptr.dtype.element_ty
+        dtype = x_ptr.dtype.element_ty  # the model's: every rounding is to it (a float32 output holds its values)
         inv = 0.0
         if PROLOGUE == 1:
             sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -97,7 +98,7 @@ def _kernel():
         if GATED:  # the projections rounded as cuBLAS's output is, then silu(g) * u rounded once, as Inductor's kernel
             g = acc.to(dtype).to(tl.float32)
             acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dtype).to(tl.float32)
-        tl.store(out_ptr + n, acc.to(dtype), mask=n < N)
+        tl.store(out_ptr + n, acc.to(dtype).to(out_ptr.dtype.element_ty), mask=n < N)
 
     return gemv_kernel
 
@@ -109,12 +110,13 @@ def _pdl_capable(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = False, gated: bool = False):
+def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = False, gated: bool = False,
+            out_dtype: torch.dtype | None = None):
     N, K = w.shape
     pdl = PDL and _pdl_capable(x.device)
     N = N // 2 if gated else N
     assert x.shape[0] == 1 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
-    out = x.new_empty(1, N)
+    out = x.new_empty(1, N, dtype=out_dtype or x.dtype)
     total = x.new_empty(1, K) if write_sum else out
     dummy = x  # never read: HAS_A / HAS_B / the prologue say which pointers are
     _kernel()[(-(-N // BLOCK_N),)](
@@ -160,13 +162,15 @@ def _(x, a, b, norm_weight, weight, eps, gated=False):
 
 
 @torch.library.custom_op("flexengine::gemv", mutates_args=())
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """weight @ x for one row x [1, K]."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, float32: bool = False) -> torch.Tensor:
+    """weight @ x for one row x [1, K]; `float32`: the result rounded to x's dtype as ever, but stored as float32 (the
+    logits the sampler reads: no conversion kernel after)."""
     if x.is_cuda:
-        return _launch(x.contiguous(), None, None, None, weight, 0)[0]
-    return F.linear(x, weight)
+        return _launch(x.contiguous(), None, None, None, weight, 0, out_dtype=torch.float32 if float32 else None)[0]
+    out = F.linear(x, weight)
+    return out.float() if float32 else out
 
 
 @gemv.register_fake
-def _(x, weight):
-    return x.new_empty(1, weight.shape[0])
+def _(x, weight, float32=False):
+    return x.new_empty(1, weight.shape[0], dtype=torch.float32 if float32 else x.dtype)

@@ -274,7 +274,10 @@ class DecoderForCausalLM(nn.Module):
         """[N, V] logits, in float32 unless `float32` is False (the model dtype: prompt logprobs score every
         prompt row, and reduce them in float32 without a [rows, vocab] float32 copy)."""
         head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
-        rows = gemv(hidden, head.weight) if one_row(hidden) else nn.functional.linear(hidden, head.weight)
+        if one_row(hidden):  # float32 from the kernel where nothing follows in the model dtype: no conversion launch
+            rows = gemv(hidden, head.weight, float32 and self.spec.final_softcap is None)
+        else:
+            rows = nn.functional.linear(hidden, head.weight)
         logits = gather_vocab(rows, head)  # [N, V] on every rank
         if self.spec.final_softcap is not None:  # in the model dtype, as transformers does
             cap = self.spec.final_softcap
