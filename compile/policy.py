@@ -123,20 +123,19 @@ def reset_fused() -> None:
 
 def pdl_options() -> dict:
     """Inductor options for FLEXENGINE_PDL=on (programmatic dependent launch of its Triton kernels; Inductor
-    itself generates none below sm90); empty when off, or where this torch has no such option (said once)."""
-    import torch._inductor.config as inductor_config
-    if not env_pdl():
-        return {}
-    if not hasattr(inductor_config.triton, "enable_pdl"):
-        _say_once(f"FLEXENGINE_PDL=on: torch {torch.__version__}'s Inductor has no triton.enable_pdl; its kernels "
-                  "launch without PDL (the one-row GEMVs still use it)")
-        return {}
-    return {"triton.enable_pdl": True}
+    itself generates none below sm90); empty when off, or where this torch has no such option."""
+    return {"triton.enable_pdl": True} if env_pdl() and _inductor_has_pdl() else {}
 
 
 @functools.cache
-def _say_once(message: str) -> None:
-    logger.warning(message)
+def _inductor_has_pdl() -> bool:
+    """Whether this torch's Inductor has triton.enable_pdl; False said once."""
+    import torch._inductor.config as inductor_config
+    if hasattr(inductor_config.triton, "enable_pdl"):
+        return True
+    logger.warning("FLEXENGINE_PDL=on: torch %s's Inductor has no triton.enable_pdl; its kernels launch without "
+                   "PDL (the one-row GEMVs still use it)", torch.__version__)
+    return False
 
 
 def compile_region(fn, combo: bool, autotune_pointwise: bool = True):

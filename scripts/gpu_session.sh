@@ -68,6 +68,13 @@ model() {
     --out "$MODEL_DIR" --dtype bfloat16
 }
 
+# latency_4k B: `bench latency`'s arguments at batch B (128 in, 256 out) on a 4,096-token engine, which builds in
+# seconds where the model's whole 131,072 takes minutes: the issue-16 stages build several engines a call
+latency_4k() {
+  echo --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --max-num-seqs "$1" --batch-size "$1" \
+    --input-len 128 --output-len 256 --num-iters 3
+}
+
 model8b() {  # 16 GB: /dev/shm of a two-GPU box has the room
   [[ -f $MODEL8B_DIR/config.json ]] || step make_model_8b 300 python3 -m flexengine.cli make-model --preset llama-3.1-8b \
     --out "$MODEL8B_DIR" --dtype bfloat16 --device cuda
@@ -165,18 +172,15 @@ for stage in ${*:-tests attention compare latency}; do
              --output-len 16 --decode-batches 1,256 --arrival-batch 0; } ;;  # the all-reduces' share of a decode step
     one_row) model && i=0 && for parts in ${ONE_ROW_VARIANTS:-none norm,silu,head none norm,silu,head}; do i=$((i+1))
              step "latency_one_row_${i}_$parts" 150 python3 scripts/one_row_parts.py ${parts/none/} -- \
-               --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --max-num-seqs 1 --batch-size 1 \
-               --input-len 128 --output-len 256 --num-iters 3; done ;;  # issue 16: batch 1 with and without layers/gemv.py
+               $(latency_4k 1); done ;;  # issue 16: batch 1 with and without layers/gemv.py
     pdl) model && for b in ${PDL_BATCHES:-1 8 32}; do for v in off on; do  # FLEXENGINE_PDL off and on, batch by batch
              step "latency_pdl_b${b}_$v" 150 env FLEXENGINE_PDL=$v python3 -m flexengine.cli bench latency \
-               --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --max-num-seqs $b --batch-size $b \
-               --input-len 128 --output-len 256 --num-iters 3; done; done
+               $(latency_4k "$b"); done; done
          for v in off on; do step "throughput_pdl_$v" 200 env FLEXENGINE_PDL=$v python3 -m flexengine.cli bench \
              throughput --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --num-prompts 256 --input-len 256 \
              --output-len 256; done ;;
     small_batches) model && for b in 8 32; do step "latency_batch_$b" 150 python3 -m flexengine.cli bench latency \
-             --model "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --max-num-seqs $b --batch-size $b \
-             --input-len 128 --output-len 256 --num-iters 3; done ;;  # issue 16: ms a step at batch 8 and 32
+             $(latency_4k "$b"); done ;;  # issue 16: ms a step at batch 8 and 32
     decode_kernel) step decode_kernel_probe 240 python3 scripts/decode_kernel_probe.py --json "$OUT/decode_kernel.json" ;;
            # issue 16: one decode request's attention, flex's decoding template against its main one, by context
     gemv) step gemv_probe 450 python3 scripts/gemv_probe.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" ;;  # issues 16, 23: cuBLAS vs a GEMV

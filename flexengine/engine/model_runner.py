@@ -112,7 +112,7 @@ class ModelRunner:
             "one KV cache shape for every layer"
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.dtype = next(self.model.parameters()).dtype
-        if one_row_gemv.ENABLED and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
+        if one_row_gemv.serves(self.device, self.dtype):
             logger.info("batch-1 steps run %s on one-row GEMVs (FLEXENGINE_ONE_ROW_GEMV=off: cuBLAS)",
                         ", ".join([f"{p} with its norm folded" for p in self.model.one_row_projections()]
                                   + ["the LM head"]))

@@ -33,9 +33,14 @@ ENABLED = env_one_row_gemv()  # read once: compiled regions guard on this global
 PDL = env_pdl()  # programmatic dependent launch (config.env_pdl), as Inductor's kernels get it
 
 
+def serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on `device` in `dtype` takes the one-row kernels at all: a 16-bit float on CUDA."""
+    return ENABLED and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
 def one_row(x: torch.Tensor) -> bool:
-    """Whether the step's projections of x take the one-row kernels: one row of a 16-bit float on CUDA."""
-    return ENABLED and x.shape[0] == 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether the step's projections of x take the one-row kernels: one row that `serves` takes."""
+    return x.shape[0] == 1 and serves(x.device, x.dtype)
 
 
 @functools.cache

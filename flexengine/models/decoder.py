@@ -115,9 +115,9 @@ class DecoderMLP(nn.Module):
     def one_row(self, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """forward(norm(x + h)) for one row: the sum and the norm inside the gate/up projection's kernel, and SiLU's
         gating in its epilogue (another activation keeps its own kernel)."""
-        if self.act.name in ("silu", "swish"):
-            return self.down_proj(norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps, True)[0])
-        return self.down_proj(self.act(norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps)[0]))
+        gated = self.act.name in ("silu", "swish")
+        out = norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps, gated)[0]
+        return self.down_proj(out if gated else self.act(out))
 
 
 class DecoderLayer(nn.Module):
