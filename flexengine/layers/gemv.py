@@ -45,66 +45,7 @@ def one_row(x: torch.Tensor) -> bool:
 
 @functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
-                    PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, WRITE_SUM: tl.constexpr,
-                    GATED: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # PROLOGUE 0: the input is x; 1: rmsnorm(x + a + b) * nw.
-        # GATED: w is [2N, K] = [gate; up], and the output silu(w[:N] @ x) * (w[N:] @ x): a program takes the
-        # same rows of both halves, so the activation is an epilogue (no second read of anything)
-        # USE_PDL: launched while the kernel before drains; its writes are visible only after gdc_wait
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-        pid = tl.program_id(0)
-        dtype = x_ptr.dtype.element_ty  # the model's: every rounding is to it (a float32 output holds its values)
-        inv = 0.0
-        if PROLOGUE == 1:
-            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                h = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                if HAS_A:
-                    h += tl.load(a_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                if HAS_B:
-                    h += tl.load(b_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                h = h.to(dtype).to(tl.float32)  # the residual stream is stored in the model dtype
-                if WRITE_SUM:
-                    if pid == 0:
-                        tl.store(sum_ptr + k, h.to(dtype), mask=k < K)
-                sq += h * h
-            inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            if PROLOGUE == 1:
-                h = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                if HAS_A:
-                    h += tl.load(a_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                if HAS_B:
-                    h += tl.load(b_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                h = h.to(dtype).to(tl.float32)
-                nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                x = ((h * inv).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)  # RMSNorm's roundings
-            else:
-                x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-            acc += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
-            if GATED:
-                w = tl.load(w_ptr + (n[:, None] + N) * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                            other=0.0)
-                acc_up += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
-        if USE_PDL:  # the next kernel may start (it waits for this one's writes itself)
-            tl.extra.cuda.gdc_launch_dependents()
-        if GATED:  # the projections rounded as cuBLAS's output is, then silu(g) * u rounded once, as Inductor's kernel
-            g = acc.to(dtype).to(tl.float32)
-            acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dtype).to(tl.float32)
-        tl.store(out_ptr + n, acc.to(dtype).to(out_ptr.dtype.element_ty), mask=n < N)
-
+    from .gemv_kernel import gemv_kernel  # imports triton: only once a kernel launches
     return gemv_kernel
 
 
