@@ -103,15 +103,16 @@ def env_one_row_gemv() -> bool:
     return _env_choice(ONE_ROW_GEMV_ENV, ONE_ROW_GEMV_MODES) == "on"
 
 
-PDL_ENV, PDL_MODES = "FLEXENGINE_PDL", ("off", "on")
+PDL_ENV, PDL_MODES = "FLEXENGINE_PDL", ("on", "off")
 
 
 def env_pdl() -> bool:
-    """FLEXENGINE_PDL: on launches the engine's Triton kernels (Inductor's, through its `triton.enable_pdl`, and
-    layers/gemv.py's) with programmatic dependent launch on Hopper and later: a kernel starts while the one before
-    it drains and waits on the device (griddepcontrol) for that one's writes, instead of after a launch gap. Off
-    (the default) until measured on the H100 (issue 16: a batch-1 step is ~172 kernels with ~1 µs of gap each; vLLM
-    names Inductor's PDL a low-latency gain on Hopper, its issue 40543). flex's attention templates stay without it."""
+    """FLEXENGINE_PDL: on (the default) launches the engine's Triton kernels (Inductor's, through its
+    `triton.enable_pdl`, and layers/gemv.py's) with programmatic dependent launch on Hopper and later: a kernel
+    starts while the one before it drains and waits on the device (griddepcontrol) for that one's writes, instead of
+    after a launch gap. On the H100 it took 0.09-0.10 ms off every small-batch step (batch 1 1.391 → 1.299 ms, batch
+    32 1.802 → 1.701; docs/benchmarks.md session 24). Below sm90 neither Inductor nor the GEMV uses it; flex's
+    attention templates never do (Inductor gives templates no PDL). off: plain launches."""
     return _env_choice(PDL_ENV, PDL_MODES) == "on"
 
 

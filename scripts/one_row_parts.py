@@ -3,8 +3,11 @@
 The engine's one-row path (`FLEXENGINE_ONE_ROW_GEMV=on`, the default) puts three things on the Triton GEMV: the
 residual sum and RMSNorm folded into q/k/v and gate/up ("norm"), SiLU's gating as gate/up's epilogue ("silu",
 which rides on "norm"), and the LM head ("head"). This runs `flexengine bench latency` with only the named parts;
-the others take the ordinary path (cuBLAS and Inductor's kernels). "down" adds one the engine does not take: the
-down projection on the plain GEMV instead of cuBLAS (one model with neither bias nor tensor parallelism):
+the others take the ordinary path (cuBLAS and Inductor's kernels). Three parts the engine does not take: "down" and
+"o" put the down projection and the attention's output projection on the plain GEMV instead of cuBLAS (one model
+with neither bias nor tensor parallelism), and "prefetch" has the GEMV read its first weight tile before programmatic
+dependent launch's wait (layers/gemv.py's PREFETCH; it needs FLEXENGINE_PDL=on, the default, to matter, and a GEMV
+before it to overlap with, which "o" gives the gate/up projection and "down" the next layer's q/k/v):
 
     python3 scripts/one_row_parts.py norm,silu,head -- --model DIR --max-model-len 4096 ...
 
@@ -17,12 +20,24 @@ import sys
 
 import torch.nn.functional as F
 
-PARTS = ("norm", "silu", "head", "down")
+PARTS = ("norm", "silu", "head", "down", "o", "prefetch")
 
 
 def use_only(parts: set[str]) -> None:
+    from flexengine.layers import gemv as G
     from flexengine.layers.gemv import gemv
     from flexengine.models import decoder
+    G.PREFETCH = "prefetch" in parts
+    if "o" in parts:
+        out = decoder.DecoderAttention.out
+
+        def o_on_gemv(self, o):
+            o = o.reshape(o.shape[0], self.q_size)
+            if not G.one_row(o):
+                return out(self, o)
+            assert self.o_proj.bias is None and self.o_proj.tp_size == 1
+            return gemv(o, self.o_proj.weight)
+        decoder.DecoderAttention.out = o_on_gemv
     if "norm" not in parts:
         init = decoder.DecoderLayer.__init__
 

@@ -31,6 +31,7 @@ from ..config import env_one_row_gemv, env_pdl
 BLOCK_N, BLOCK_K, WARPS = 4, 1024, 4  # the probe's best at one row, for every projection of the 1B and 8B shapes
 ENABLED = env_one_row_gemv()  # read once: compiled regions guard on this global, not on the environment
 PDL = env_pdl()  # programmatic dependent launch (config.env_pdl), as Inductor's kernels get it
+PREFETCH = False  # the first weight tile read before PDL's wait for the kernel before (gemv_kernel; a no-op without)
 
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:
@@ -68,7 +69,7 @@ def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = F
     _kernel()[(-(-N // BLOCK_N),)](
         x, a if a is not None else dummy, b if b is not None else dummy, nw if nw is not None else dummy, w, out,
         total, N, K, eps, PROLOGUE=prologue, HAS_A=a is not None, HAS_B=b is not None, WRITE_SUM=write_sum,
-        GATED=gated, USE_PDL=pdl, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
+        GATED=gated, USE_PDL=pdl, PREFETCH=PREFETCH, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
         **({"launch_pdl": True} if pdl else {}))
     return out, total
 

@@ -16,16 +16,31 @@ def residual_row(x_ptr, a_ptr, b_ptr, k, K, HAS_A: tl.constexpr, HAS_B: tl.const
 
 
 @triton.jit
+def weight_tile(w_ptr, row0, n, k, N, K):
+    # rows row0 + n (of the N this program's half holds), columns k
+    return tl.load(w_ptr + (row0 + n[:, None]) * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+
+
+@triton.jit
 def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
                 PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, WRITE_SUM: tl.constexpr,
-                GATED: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                GATED: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
     # PROLOGUE 0: the input is x; 1: rmsnorm(x + a + b) * nw.
     # GATED: w is [2N, K] = [gate; up], and the output silu(w[:N] @ x) * (w[N:] @ x): a program takes the
     # same rows of both halves, so the activation is an epilogue (no second read of anything)
-    # USE_PDL: launched while the kernel before drains; its writes are visible only after gdc_wait
+    # USE_PDL: launched while the kernel before drains; its writes are visible only after gdc_wait. PREFETCH (with
+    # USE_PDL): the first weight tile is loaded before that wait (no kernel writes the weights), so the read starts
+    # while the kernel before finishes
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        k = tl.arange(0, BLOCK_K)
+        w_first = weight_tile(w_ptr, 0, n, k, N, K)
+        if GATED:
+            u_first = weight_tile(w_ptr, N, n, k, N, K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty  # the model's: every rounding is to it (a float32 output holds its values)
     inv = 0.0
     if PROLOGUE == 1:
@@ -38,7 +53,6 @@ def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
                     tl.store(sum_ptr + k, h.to(dtype), mask=k < K)
             sq += h * h
         inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -49,11 +63,22 @@ def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
             x = ((h * inv).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)  # RMSNorm's roundings
         else:
             x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        if PREFETCH:
+            if k0 == 0:
+                w = w_first
+            else:
+                w = weight_tile(w_ptr, 0, n, k, N, K)
+        else:
+            w = weight_tile(w_ptr, 0, n, k, N, K)
         acc += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
         if GATED:
-            w = tl.load(w_ptr + (n[:, None] + N) * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                        other=0.0)
+            if PREFETCH:
+                if k0 == 0:
+                    w = u_first
+                else:
+                    w = weight_tile(w_ptr, N, n, k, N, K)
+            else:
+                w = weight_tile(w_ptr, N, n, k, N, K)
             acc_up += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
     if USE_PDL:  # the next kernel may start (it waits for this one's writes itself)
         tl.extra.cuda.gdc_launch_dependents()
