@@ -6,7 +6,7 @@ which rides on "norm"), and the LM head ("head"). This runs `flexengine bench la
 the others take the ordinary path (cuBLAS and Inductor's kernels). Three parts the engine does not take: "down" and
 "o" put the down projection and the attention's output projection on the plain GEMV instead of cuBLAS (one model
 with neither bias nor tensor parallelism), and "prefetch" has the GEMV read its first weight tile before programmatic
-dependent launch's wait (layers/gemv.py's PREFETCH; it needs FLEXENGINE_PDL=on, the default, to matter, and a GEMV
+dependent launch's wait ("prefetch2": two; layers/gemv.py's PREFETCH; it needs FLEXENGINE_PDL=on, the default, to matter, and a GEMV
 before it to overlap with, which "o" gives the gate/up projection and "down" the next layer's q/k/v):
 
     python3 scripts/one_row_parts.py norm,silu,head -- --model DIR --max-model-len 4096 ...
@@ -20,14 +20,14 @@ import sys
 
 import torch.nn.functional as F
 
-PARTS = ("norm", "silu", "head", "down", "o", "prefetch")
+PARTS = ("norm", "silu", "head", "down", "o", "prefetch", "prefetch2")
 
 
 def use_only(parts: set[str]) -> None:
     from flexengine.layers import gemv as G
     from flexengine.layers.gemv import gemv
     from flexengine.models import decoder
-    G.PREFETCH = "prefetch" in parts
+    G.PREFETCH = 2 if "prefetch2" in parts else int("prefetch" in parts)
     if "o" in parts:
         out = decoder.DecoderAttention.out
 

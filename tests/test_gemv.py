@@ -60,11 +60,11 @@ def plain(prologue: int, x, a, b, nw, w, eps: float, gated: bool = False):
 @pytest.mark.gpu
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 40), k=st.sampled_from([1, 7, 64, 1000, 1024, 1500, 2049]), prologue=st.sampled_from([0, 1]),
-       summands=st.integers(0, 2), gated=st.booleans(), bf16=st.booleans(), prefetch=st.booleans(),
+       summands=st.integers(0, 2), gated=st.booleans(), bf16=st.booleans(), prefetch=st.integers(0, 2),
        seed=st.integers(0, 2**16))
 def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, gated, bf16, prefetch, seed):
     """On a GPU natively (bfloat16 and float32); on the CPU only inside the interpreted process above. `prefetch`:
-    the first weight tile loaded ahead of the loop (gemv.PREFETCH)."""
+    that many weight tiles loaded ahead of the loop (gemv.PREFETCH)."""
     if not torch.cuda.is_available() and not INTERPRETED:
         pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,13 +98,13 @@ def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, gated,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch is a CUDA launch")
 def test_the_kernel_launched_with_pdl_computes_the_same(monkeypatch):
     """FLEXENGINE_PDL's launch (griddepcontrol wait and trigger in the kernel, launch_pdl on the launch) changes
-    when the kernel may start, not what it computes: bit for bit what the plain launch gives, with the first weight
-    tile read before the wait (gemv.PREFETCH) or not."""
+    when the kernel may start, not what it computes: bit for bit what the plain launch gives, with weight tiles read
+    before the wait (gemv.PREFETCH) or not."""
     g = torch.Generator().manual_seed(3)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).cuda()  # noqa: E731
     x, a, nw, w = rand(1, 2048), rand(1, 2048), rand(2048) + 1, rand(512, 2048)
     runs = []
-    for pdl, prefetch in ((False, False), (True, False), (True, True)):
+    for pdl, prefetch in ((False, 0), (True, 0), (True, 1), (True, 2)):
         monkeypatch.setattr(G, "PDL", pdl)
         monkeypatch.setattr(G, "PREFETCH", prefetch)
         runs.append([G._launch(x, a, None, nw, w, 1, 1e-5, write_sum=True, gated=gated) for gated in (False, True)]

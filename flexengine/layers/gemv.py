@@ -31,7 +31,7 @@ from ..config import env_one_row_gemv, env_pdl
 BLOCK_N, BLOCK_K, WARPS = 4, 1024, 4  # the probe's best at one row, for every projection of the 1B and 8B shapes
 ENABLED = env_one_row_gemv()  # read once: compiled regions guard on this global, not on the environment
 PDL = env_pdl()  # programmatic dependent launch (config.env_pdl), as Inductor's kernels get it
-PREFETCH = False  # the first weight tile read before PDL's wait for the kernel before (gemv_kernel; a no-op without)
+PREFETCH = 0  # weight tiles (0-2) read before PDL's wait for the kernel before (gemv_kernel; no gain without PDL)
 
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:

@@ -22,6 +22,27 @@ def weight_tile(w_ptr, row0, n, k, N, K):
 
 
 @triton.jit
+def weight_tile_or_prefetched(w_ptr, row0, n, k, N, K, k0, BLOCK_K: tl.constexpr, first, second,
+                              PREFETCH: tl.constexpr):
+    # the tile at column k0: one of the PREFETCH tiles read before the PDL wait, else read now
+    if PREFETCH == 0:
+        w = weight_tile(w_ptr, row0, n, k, N, K)
+    elif PREFETCH == 1:
+        if k0 == 0:
+            w = first
+        else:
+            w = weight_tile(w_ptr, row0, n, k, N, K)
+    else:
+        if k0 == 0:
+            w = first
+        elif k0 == BLOCK_K:
+            w = second
+        else:
+            w = weight_tile(w_ptr, row0, n, k, N, K)
+    return w
+
+
+@triton.jit
 def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
                 PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, WRITE_SUM: tl.constexpr,
                 GATED: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -29,16 +50,22 @@ def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
     # PROLOGUE 0: the input is x; 1: rmsnorm(x + a + b) * nw.
     # GATED: w is [2N, K] = [gate; up], and the output silu(w[:N] @ x) * (w[N:] @ x): a program takes the
     # same rows of both halves, so the activation is an epilogue (no second read of anything)
-    # USE_PDL: launched while the kernel before drains; its writes are visible only after gdc_wait. PREFETCH (with
-    # USE_PDL): the first weight tile is loaded before that wait (no kernel writes the weights), so the read starts
-    # while the kernel before finishes
+    # USE_PDL: launched while the kernel before drains; its writes are visible only after gdc_wait. PREFETCH (0-2,
+    # with USE_PDL): that many weight tiles are loaded before that wait (no kernel writes the weights), so the read
+    # starts while the kernel before finishes
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH:
+    w_first, w_second, u_first, u_second = 0.0, 0.0, 0.0, 0.0  # placeholders for the tiles PREFETCH does not read
+    if PREFETCH >= 1:
         k = tl.arange(0, BLOCK_K)
         w_first = weight_tile(w_ptr, 0, n, k, N, K)
         if GATED:
             u_first = weight_tile(w_ptr, N, n, k, N, K)
+    if PREFETCH >= 2:
+        k = BLOCK_K + tl.arange(0, BLOCK_K)
+        w_second = weight_tile(w_ptr, 0, n, k, N, K)
+        if GATED:
+            u_second = weight_tile(w_ptr, N, n, k, N, K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     dtype = x_ptr.dtype.element_ty  # the model's: every rounding is to it (a float32 output holds its values)
@@ -63,23 +90,11 @@ def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
             x = ((h * inv).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)  # RMSNorm's roundings
         else:
             x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        if PREFETCH:
-            if k0 == 0:
-                w = w_first
-            else:
-                w = weight_tile(w_ptr, 0, n, k, N, K)
-        else:
-            w = weight_tile(w_ptr, 0, n, k, N, K)
-        acc += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
+        acc += tl.sum(x[None, :] * weight_tile_or_prefetched(w_ptr, 0, n, k, N, K, k0, BLOCK_K, w_first, w_second,
+                                                             PREFETCH).to(tl.float32), axis=1)
         if GATED:
-            if PREFETCH:
-                if k0 == 0:
-                    w = u_first
-                else:
-                    w = weight_tile(w_ptr, N, n, k, N, K)
-            else:
-                w = weight_tile(w_ptr, N, n, k, N, K)
-            acc_up += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
+            acc_up += tl.sum(x[None, :] * weight_tile_or_prefetched(w_ptr, N, n, k, N, K, k0, BLOCK_K, u_first,
+                                                                    u_second, PREFETCH).to(tl.float32), axis=1)
     if USE_PDL:  # the next kernel may start (it waits for this one's writes itself)
         tl.extra.cuda.gdc_launch_dependents()
     if GATED:  # the projections rounded as cuBLAS's output is, then silu(g) * u rounded once, as Inductor's kernel
