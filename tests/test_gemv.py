@@ -148,31 +148,42 @@ def test_the_decoders_one_row_path_equals_its_ordinary_path(family, tmp_path, mo
     ordinary path. Families with biases or Gemma's norms keep the ordinary path where they must."""
     from test_models_parity import make_checkpoint
     from flexengine.models import decoder
+    from flexengine.parallel import layers as row_layers
     _, path = make_checkpoint(family, tmp_path)
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids": [1, 2, 3]}]
 
-    folds = []
+    folds, specs = [], []
 
     def run():
         llm = LLM(path, device="cpu", max_num_seqs=1)  # decode steps of one row
         folds.append(llm.llm_engine.runner.model.one_row_projections())
+        specs.append(llm.llm_engine.runner.model.spec)
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs]) for o in outs]
 
     ordinary = run()
-    calls, norm_folds = [], []
-    monkeypatch.setattr(decoder, "one_row", lambda x: calls.append(x.shape[0]) or x.shape[0] == 1)
-    norm_gemv = decoder.norm_gemv
+    calls, norm_folds, row_parallel = [], [], []
+    forced = lambda x: calls.append(x.shape[0]) or x.shape[0] == 1  # noqa: E731
+    monkeypatch.setattr(decoder, "one_row", forced)
+    monkeypatch.setattr(row_layers, "one_row", forced)
+    norm_gemv, gemv = decoder.norm_gemv, row_layers.gemv
     monkeypatch.setattr(decoder, "norm_gemv", lambda *a: norm_folds.append(a[-1] if len(a) == 7 else False)
                         or norm_gemv(*a))
+    monkeypatch.setattr(row_layers, "gemv", lambda x, w: row_parallel.append(w.shape) or gemv(x, w))
     folded = run()
     assert calls and 1 in calls
-    # which projections fold their norm: qwen2's q/k/v and llama_tied_mha's all have biases, Gemma's norms are 1 + w
-    want = {"qwen2": ["gate/up"], "gemma2": [], "llama_tied_mha": []}.get(family, ["q/k/v", "gate/up"])
-    assert folds == [want, want]
+    # which projections take the kernels: qwen2's q/k/v has a bias, llama_tied_mha's every projection, Gemma's norms
+    # are 1 + w (its o and down take the plain GEMV)
+    want = {"qwen2": ["gate/up", "o", "down"], "gemma2": ["o", "down"],
+            "llama_tied_mha": []}.get(family, ["q/k/v", "gate/up", "o", "down"])
+    assert folds == [want + ["LM head"]] * 2
     assert (True in norm_folds) == ("gate/up" in want)  # gate/up with SiLU-and-mul as its epilogue
     assert (False in norm_folds) == ("q/k/v" in want)
+    spec = specs[0]
+    o_shape, down_shape = (spec.hidden_size, spec.num_heads * spec.head_dim), (spec.hidden_size, spec.intermediate_size)
+    assert {o_shape, down_shape} & set(row_parallel) == {s for s, name in ((o_shape, "o"), (down_shape, "down"))
+                                                         if name in want}
     for (tokens, logprobs), (tokens2, logprobs2) in zip(ordinary, folded):
         assert tokens == tokens2
         for step, step2 in zip(logprobs[0], logprobs2[0]):

@@ -113,9 +113,8 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.dtype = next(self.model.parameters()).dtype
         if one_row_gemv.serves(self.device, self.dtype):
-            logger.info("batch-1 steps run %s on one-row GEMVs (FLEXENGINE_ONE_ROW_GEMV=off: cuBLAS)",
-                        ", ".join([f"{p} with its norm folded" for p in self.model.one_row_projections()]
-                                  + ["the LM head"]))
+            logger.info("batch-1 steps run %s on one-row GEMVs (q/k/v and gate/up with their norm folded in; "
+                        "FLEXENGINE_ONE_ROW_GEMV=off: cuBLAS)", ", ".join(self.model.one_row_projections()))
         choose_all_reduce(self.tp, self.dtype, self.device)  # one-shot or NCCL (FLEXENGINE_ALL_REDUCE)
         self.vocab_size = text_config(self.hf_config).vocab_size
         self.sampling = SamplingInputs(self.device, self.vocab_size, self.config.max_num_seqs)

@@ -7,16 +7,20 @@ computes its input itself:
 - `norm_gemv`: w @ rmsnorm(x [+ a] [+ b]) — the decoder's residual additions and norm in the prologue (each
   program recomputes the row's statistics from L2); the summed residual stream comes out too; for gate/up, SiLU
   and the gating product in the epilogue;
-- `gemv`: w @ x, the LM head (9-10% faster than cuBLAS on the H100 at one row), whose logits it can store as
-  float32 for the sampler (the values rounded to the model's dtype, as before; one conversion launch fewer).
+- `gemv`: w @ x: the LM head, whose logits it can store as float32 for the sampler (the values rounded to the
+  model's dtype, as before; one conversion launch fewer), and the bias-free o and down projections
+  (parallel/layers.py's RowParallelLinear).
 
-Measured in the engine on the H100 (scripts/one_row_parts.py, docs/benchmarks.md session 23): batch 1 at 1.372
-ms/token against 1.417 with cuBLAS and the separate kernels; the SiLU epilogue is worth ~3 µs of that. Two other
-placements lost: SiLU's gating folded into the down projection's prologue (every program re-read and re-activated
-the 8,192-wide gate/up row: +0.076 ms) and the down projection on this GEMV at all (+0.077 ms against cuBLAS's
-split-K), so the down projection stays on cuBLAS. Each op is a torch custom op, so compiled regions and CUDA graphs
-hold it; off CUDA (and where `one_row` says no) the model keeps its plain path, which the reference implementations
-below equal (tests/test_gemv.py). `FLEXENGINE_ONE_ROW_GEMV=off` turns it off.
+Under programmatic dependent launch (FLEXENGINE_PDL, on by default) the kernel reads its first weight tile before
+waiting for the kernel before it (PREFETCH: no kernel writes the weights) and lets the next kernel launch before its
+epilogue, so GEMV after GEMV overlaps; cuBLAS's kernels do neither. That is why o and down moved here: measured on
+the H100 (scripts/one_row_parts.py; docs/benchmarks.md sessions 23-24), without PDL the down projection on this
+GEMV was 0.077 ms a step slower than cuBLAS's split-K; with PDL and the prefetch, q/k/v, gate/up, o, down and the LM
+head all here run batch 1 at 1.229-1.231 ms/token against 1.299-1.300 with o and down on cuBLAS (same call). Folding
+SiLU's gating into the down projection's prologue lost (every program re-read the 8,192-wide gate/up row: +0.076
+ms), so it is gate/up's epilogue. Each op is a torch custom op, so compiled regions and CUDA graphs hold it; off CUDA
+(and where `one_row` says no) the model keeps its plain path, which the reference implementations below equal
+(tests/test_gemv.py). `FLEXENGINE_ONE_ROW_GEMV=off` turns it off.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from ..config import env_one_row_gemv, env_pdl
 BLOCK_N, BLOCK_K, WARPS = 4, 1024, 4  # the probe's best at one row, for every projection of the 1B and 8B shapes
 ENABLED = env_one_row_gemv()  # read once: compiled regions guard on this global, not on the environment
 PDL = env_pdl()  # programmatic dependent launch (config.env_pdl), as Inductor's kernels get it
-PREFETCH = 0  # weight tiles (0-2) read before PDL's wait for the kernel before (gemv_kernel; no gain without PDL)
+PREFETCH = 1  # weight tiles (0-2) read before PDL's wait for the kernel before (gemv_kernel; no gain without PDL)
 
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:

@@ -261,11 +261,14 @@ class DecoderForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def one_row_projections(self) -> list[str]:
-        """The projections a one-row step runs on layers/gemv.py's kernels with the norm folded in (the LM head
-        always): a layer with Gemma's (1 + w) norm or a biased projection keeps the plain one."""
-        layers = self.model.layers
+        """The projections a one-row step runs on layers/gemv.py's kernels (q/k/v and gate/up with their norm folded
+        in, o and down where bias-free, the LM head always): a layer with Gemma's (1 + w) norm or a biased projection
+        keeps the plain one."""
+        layers, spec = self.model.layers, self.spec
         return [name for name, folded in (("q/k/v", all(layer.fold_qkv for layer in layers)),
-                                          ("gate/up", all(layer.fold_mlp for layer in layers))) if folded]
+                                          ("gate/up", all(layer.fold_mlp for layer in layers)),
+                                          ("o", not spec.o_bias), ("down", not spec.mlp_bias),
+                                          ("LM head", True)) if folded]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

