@@ -199,20 +199,27 @@ def test_the_one_row_ops_trace_in_the_compiled_regions_without_recompiles(gpu_sh
     from test_models_parity import make_checkpoint
     from flexengine.compile import compile_count
     from flexengine.models import decoder
+    from flexengine.parallel import layers as row_layers
     _, path = make_checkpoint("llama", tmp_path)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids": [1, 2, 3]}]
     config = dict(device="cpu", max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128)
-    sums = []  # counted inside the op's implementation, which dynamo does not trace
-    reference_sum = G._reference_sum
+    sums, gemvs = [], []  # counted inside the ops' implementations, which dynamo does not trace
+    reference_sum, reference_gemv = G._reference_sum, G._reference_gemv
     monkeypatch.setattr(G, "_reference_sum", lambda *a: sums.append(1) or reference_sum(*a))
+    monkeypatch.setattr(G, "_reference_gemv", lambda *a: gemvs.append(a[1].shape) or reference_gemv(*a))
     monkeypatch.setattr(decoder, "one_row", lambda x: x.shape[0] == 1)
+    monkeypatch.setattr(row_layers, "one_row", lambda x: x.shape[0] == 1)  # o and down
     folded = LLM(path, **config)
     assert folded.llm_engine.runner.static_shapes
-    before, ran = compile_count(), len(sums)
+    before, ran, ran_gemv = compile_count(), len(sums), len(gemvs)
     got = folded.generate(prompts, params, use_tqdm=False)
     assert compile_count() == before, "a shape compiled after warm-up"
-    assert len(sums) > ran  # the decode steps ran the one-row ops
+    assert len(sums) > ran  # the decode steps ran the one-row ops: the folded norms,
+    spec = folded.llm_engine.runner.model.spec  # and o, down and the LM head on the plain GEMV
+    want = {(spec.hidden_size, spec.num_heads * spec.head_dim), (spec.hidden_size, spec.intermediate_size),
+            (spec.vocab_size, spec.hidden_size)}
+    assert want <= set(gemvs[ran_gemv:]), (want, set(gemvs[ran_gemv:]))
     monkeypatch.undo()
     gpu_shaped_engines()
     want = LLM(path, device="cpu", max_num_seqs=1).generate(prompts, params, use_tqdm=False)

@@ -118,6 +118,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, float32: bool = False) -> torch.
     logits the sampler reads: no conversion kernel after)."""
     if x.is_cuda:
         return _launch(x.contiguous(), None, None, None, weight, 0, out_dtype=torch.float32 if float32 else None)[0]
+    return _reference_gemv(x, weight, float32)
+
+
+def _reference_gemv(x, weight, float32):
     out = F.linear(x, weight)
     return out.float() if float32 else out
 
