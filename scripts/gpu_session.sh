@@ -15,7 +15,8 @@
 # penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
-# latency at batch 8 and 32), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
+# latency at batch 8 and 32), small_batch_leads (batch 8 and 32: the default, scripts/kv_write_autotune.py,
+# FLEXENGINE_SPLIT_KV=kernel; Inductor's source of the rotary + KV-write kernel), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
 # throughput, 4,096-token engines), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
@@ -181,6 +182,13 @@ for stage in ${*:-tests attention compare latency}; do
              --output-len 256; done ;;
     small_batches) model && for b in 8 32; do step "latency_batch_$b" 150 python3 -m flexengine.cli bench latency \
              $(latency_4k "$b"); done ;;  # issue 16: ms a step at batch 8 and 32
+    small_batch_leads) model && for b in 8 32; do  # issue 16's batch-8/32 ratio: where session 24's profile points
+             step "latency_b${b}_default" 150 python3 -m flexengine.cli bench latency $(latency_4k "$b")
+             step "latency_b${b}_kv_write_autotuned" 150 python3 scripts/kv_write_autotune.py -- $(latency_4k "$b")
+             step "latency_b${b}_split_kv_kernel" 150 env FLEXENGINE_SPLIT_KV=kernel python3 -m flexengine.cli bench \
+               latency $(latency_4k "$b"); done  # (batch 32 splits nothing: a control)
+           grep -rl "def triton_poi_fused_add_cat_floor_divide_index_put" "/tmp/torchinductor_$(whoami)" 2>/dev/null \
+             | head -4 | while read -r f; do cp "$f" "$OUT/kv_write_kernel_$(basename "$f")"; done ;;
     decode_kernel) step decode_kernel_probe 240 python3 scripts/decode_kernel_probe.py --json "$OUT/decode_kernel.json" ;;
            # issue 16: one decode request's attention, flex's decoding template against its main one, by context
     gemv) step gemv_probe 450 python3 scripts/gemv_probe.py ${GEMV_ARGS:-} --json "$OUT/gemv.json" ;;  # issues 16, 23: cuBLAS vs a GEMV
