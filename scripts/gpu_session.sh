@@ -16,7 +16,7 @@
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
 # latency at batch 8 and 32), small_batch_leads (batch 8 and 32: the default, scripts/kv_write_autotune.py,
-# FLEXENGINE_SPLIT_KV=kernel; Inductor's source of the rotary + KV-write kernel), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
+# FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
 # throughput, 4,096-token engines), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
@@ -186,7 +186,9 @@ for stage in ${*:-tests attention compare latency}; do
              step "latency_b${b}_default" 150 python3 -m flexengine.cli bench latency $(latency_4k "$b")
              step "latency_b${b}_kv_write_autotuned" 150 python3 scripts/kv_write_autotune.py -- $(latency_4k "$b")
              step "latency_b${b}_split_kv_kernel" 150 env FLEXENGINE_SPLIT_KV=kernel python3 -m flexengine.cli bench \
-               latency $(latency_4k "$b"); done  # (batch 32 splits nothing: a control)
+               latency $(latency_4k "$b")  # (batch 32 splits nothing: a control)
+             step "latency_b${b}_few_rows" 150 python3 scripts/one_row_parts.py norm,silu,head,o,down,prefetch,rows -- \
+               $(latency_4k "$b"); done  # every projection on layers/gemv.py's few-rows kernel (FEW_ROWS)
            grep -rl "def triton_poi_fused_add_cat_floor_divide_index_put" "/tmp/torchinductor_$(whoami)" 2>/dev/null \
              | head -4 | while read -r f; do cp "$f" "$OUT/kv_write_kernel_$(basename "$f")"; done ;;
     decode_kernel) step decode_kernel_probe 240 python3 scripts/decode_kernel_probe.py --json "$OUT/decode_kernel.json" ;;

@@ -4,8 +4,10 @@ The engine's one-row path (`FLEXENGINE_ONE_ROW_GEMV=on`, the default) puts these
 sum and RMSNorm folded into q/k/v and gate/up ("norm"), SiLU's gating as gate/up's epilogue ("silu", which rides on
 "norm"), the LM head ("head"), the attention's output projection ("o") and the down projection ("down"), each GEMV
 reading its first weight tile before programmatic dependent launch's wait ("prefetch"; "prefetch2" reads two, which
-the engine does not). This runs `flexengine bench latency` with only the named parts; the others take the ordinary
-path (cuBLAS and Inductor's kernels):
+the engine does not). "rows" (not in the engine yet either) sets layers/gemv.py's FEW_ROWS to 32, so that batches
+of 2-32 run their plain projections (q/k/v, gate/up, o, down, the LM head) on its few-rows kernel, for `--batch-size`
+8 or 32. This runs `flexengine bench latency` with only the named parts; the others take the ordinary path (cuBLAS
+and Inductor's kernels):
 
     python3 scripts/one_row_parts.py norm,silu,head,o,down,prefetch -- --model DIR --max-model-len 4096 ...
 
@@ -18,7 +20,7 @@ import sys
 
 import torch.nn.functional as F
 
-PARTS = ("norm", "silu", "head", "o", "down", "prefetch", "prefetch2")
+PARTS = ("norm", "silu", "head", "o", "down", "prefetch", "prefetch2", "rows")
 
 
 def use_only(parts: set[str]) -> None:
@@ -26,6 +28,7 @@ def use_only(parts: set[str]) -> None:
     from flexengine.models import decoder
     from flexengine.parallel import layers
     G.PREFETCH = 2 if "prefetch2" in parts else int("prefetch" in parts)
+    G.FEW_ROWS = 32 if "rows" in parts else 0
     init = decoder.DecoderLayer.__init__
 
     def without_parts(self, *args, **kwargs):

@@ -32,9 +32,10 @@ def test_the_kernel_under_triton_s_interpreter():
         pytest.skip("the GPU runs the kernel natively; an interpreted process runs the test itself")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                           f"{__file__}::test_the_kernel_equals_the_plain_arithmetic"],
+                           f"{__file__}::test_the_kernel_equals_the_plain_arithmetic",
+                           f"{__file__}::test_the_rows_kernel_equals_a_plain_matmul"],
                           env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def plain(prologue: int, x, a, b, nw, w, eps: float, gated: bool = False):
@@ -92,6 +93,32 @@ def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, gated,
     # a float32 output (the LM head's logits) holds the same values, rounded to the model's dtype
     got32 = G._launch(x, a, b, nw, w, prologue, 1e-5, write_sum=prologue == 1, gated=gated, out_dtype=torch.float32)[0]
     assert got32.dtype == torch.float32 and torch.equal(got32, got.float())
+
+
+@pytest.mark.gpu
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(2, 64), n=st.integers(1, 40), k=st.sampled_from([16, 100, 256, 1000, 2049]),
+       prefetch=st.integers(0, 1), float32_out=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_rows_kernel_equals_a_plain_matmul(m, n, k, prefetch, float32_out, seed):
+    """The few-rows kernel (gemv.FEW_ROWS): every row of x against the weight, rows and columns past the tiles
+    masked; bf16 on a GPU, float32 in the interpreted process on the CPU."""
+    if not torch.cuda.is_available() and not INTERPRETED:
+        pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    x, w = (torch.randn(*shape, generator=g).to(dtype).to(device) for shape in ((m, k), (n, k)))
+    default, G.PREFETCH = G.PREFETCH, prefetch
+    try:
+        got = G._launch_rows(x, w, torch.float32 if float32_out else None)
+    finally:
+        G.PREFETCH = default
+    want = F.linear(x.float(), w.float())
+    assert got.shape == (m, n) and got.dtype == (torch.float32 if float32_out else dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # summation order; bf16: the output's rounding
+    assert (got.float() - want).abs().max() <= tol * (want.abs().max() + 1), (got, want)
+    if float32_out:  # the float32 output holds the model dtype's values
+        assert torch.equal(got, got.to(dtype).float())
 
 
 @pytest.mark.gpu
@@ -224,3 +251,40 @@ def test_the_one_row_ops_trace_in_the_compiled_regions_without_recompiles(gpu_sh
     gpu_shaped_engines()
     want = LLM(path, device="cpu", max_num_seqs=1).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_a_few_rows_on_the_gemv_give_the_plain_tokens_without_recompiles(gpu_shaped_engines, tmp_path, monkeypatch):
+    """gemv.FEW_ROWS forced on the CPU (the ops' plain implementations), on the CUDA engine's path: decode steps of
+    2-4 rows hand q/k/v, gate/up, o, down and the LM head to `gemv` (compiled regions now guard on the row count:
+    the warm-up must compile both sides of it), the tokens are the plain engine's, and nothing compiles after the
+    warm-up."""
+    from test_models_parity import make_checkpoint
+    from flexengine.compile import compile_count
+    from flexengine.layers import linear
+    from flexengine.models import decoder
+    from flexengine.parallel import layers as row_layers
+    _, path = make_checkpoint("llama", tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids": [1, 2, 3]},
+               {"prompt_token_ids": [9, 8, 7, 6]}]
+    config = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    gemvs = []  # the weight shape and row count of each call, counted inside the op (dynamo does not trace it)
+    reference_gemv = G._reference_gemv
+    monkeypatch.setattr(G, "_reference_gemv", lambda *a: gemvs.append((a[1].shape, a[0].shape[0]))
+                        or reference_gemv(*a))
+    for module in (linear, row_layers, decoder):
+        monkeypatch.setattr(module, "few_rows", lambda x: 1 < x.shape[0] <= 4)
+    folded = LLM(path, **config)
+    before, ran = compile_count(), len(gemvs)
+    got = folded.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up"
+    spec = folded.llm_engine.runner.model.spec
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    want = {(qkv, spec.hidden_size), (2 * spec.intermediate_size, spec.hidden_size),
+            (spec.hidden_size, spec.num_heads * spec.head_dim), (spec.hidden_size, spec.intermediate_size),
+            (spec.vocab_size, spec.hidden_size)}
+    assert want <= {shape for shape, rows in gemvs[ran:] if rows > 1}, gemvs[ran:]
+    monkeypatch.undo()
+    gpu_shaped_engines()
+    plain = LLM(path, device="cpu", max_num_seqs=4).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]

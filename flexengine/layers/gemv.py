@@ -9,7 +9,9 @@ computes its input itself:
   and the gating product in the epilogue;
 - `gemv`: w @ x: the LM head, whose logits it can store as float32 for the sampler (the values rounded to the
   model's dtype, as before; one conversion launch fewer), and the bias-free o and down projections
-  (parallel/layers.py's RowParallelLinear).
+  (parallel/layers.py's RowParallelLinear). It also takes a few rows [M <= FEW_ROWS, K] (`rows_kernel`, the rows
+  padded to 16 or 32 for the tensor cores) for every plain projection; FEW_ROWS is 0, so off, until timed against
+  cuBLAS at batch 8 and 32 on the H100 (`scripts/gpu_session.sh small_batch_leads`).
 
 Under programmatic dependent launch (FLEXENGINE_PDL, on by default) the kernel reads its first weight tile before
 waiting for the kernel before it (PREFETCH: no kernel writes the weights) and lets the next kernel launch before its
@@ -36,6 +38,11 @@ BLOCK_N, BLOCK_K, WARPS = 4, 1024, 4  # the probe's best at one row, for every p
 ENABLED = env_one_row_gemv()  # read once: compiled regions guard on this global, not on the environment
 PDL = env_pdl()  # programmatic dependent launch (config.env_pdl), as Inductor's kernels get it
 PREFETCH = 1  # weight tiles (0-2) read before PDL's wait for the kernel before (gemv_kernel; no gain without PDL)
+# Up to this many rows (past one), the plain projections (q/k/v and gate/up unfolded, o, down, the LM head) take
+# rows_kernel, which PDL overlaps as it does the one-row kernel; 0 (the default): cuBLAS, until measured on the H100
+# against it (issue 16's batch 8 and 32; scripts/one_row_parts.py's "rows" part)
+FEW_ROWS = 0
+ROWS_BLOCK_N, ROWS_BLOCK_K, ROWS_WARPS = 16, 256, 4  # a first guess, not yet tuned on a GPU
 
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:
@@ -48,10 +55,22 @@ def one_row(x: torch.Tensor) -> bool:
     return x.shape[0] == 1 and serves(x.device, x.dtype)
 
 
+def few_rows(x: torch.Tensor) -> bool:
+    """Whether a plain projection of x takes `gemv` with more than one row: up to FEW_ROWS rows that `serves` takes
+    (FEW_ROWS first: while it is 0, no comparison of a dynamic row count, so no guard in a compiled region)."""
+    return FEW_ROWS > 1 and 1 < x.shape[0] <= FEW_ROWS and serves(x.device, x.dtype)
+
+
 @functools.cache
 def _kernel():
     from .gemv_kernel import gemv_kernel  # imports triton: only once a kernel launches
     return gemv_kernel
+
+
+@functools.cache
+def _rows_kernel():
+    from .gemv_kernel import rows_kernel
+    return rows_kernel
 
 
 @functools.cache
@@ -76,6 +95,17 @@ def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = F
         GATED=gated, USE_PDL=pdl, PREFETCH=PREFETCH, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
         **({"launch_pdl": True} if pdl else {}))
     return out, total
+
+
+def _launch_rows(x, w, out_dtype: torch.dtype | None = None):
+    (M, K), N = x.shape, w.shape[0]
+    assert 1 < M <= 64 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
+    pdl = PDL and _pdl_capable(x.device)
+    out = x.new_empty(M, N, dtype=out_dtype or x.dtype)
+    _rows_kernel()[(-(-N // ROWS_BLOCK_N),)](
+        x, w, out, M, N, K, USE_PDL=pdl, PREFETCH=min(PREFETCH, 1), M_PAD=max(16, 1 << (M - 1).bit_length()),
+        BLOCK_N=ROWS_BLOCK_N, BLOCK_K=ROWS_BLOCK_K, num_warps=ROWS_WARPS, **({"launch_pdl": True} if pdl else {}))
+    return out
 
 
 def _reference_sum(x, a, b):
@@ -114,10 +144,13 @@ def _(x, a, b, norm_weight, weight, eps, gated=False):
 
 @torch.library.custom_op("flexengine::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, float32: bool = False) -> torch.Tensor:
-    """weight @ x for one row x [1, K]; `float32`: the result rounded to x's dtype as ever, but stored as float32 (the
-    logits the sampler reads: no conversion kernel after)."""
+    """weight @ x for one row x [1, K], or a few [M, K] (FEW_ROWS); `float32`: the result rounded to x's dtype as
+    ever, but stored as float32 (the logits the sampler reads: no conversion kernel after)."""
     if x.is_cuda:
-        return _launch(x.contiguous(), None, None, None, weight, 0, out_dtype=torch.float32 if float32 else None)[0]
+        out_dtype = torch.float32 if float32 else None
+        if x.shape[0] > 1:
+            return _launch_rows(x.contiguous(), weight, out_dtype)
+        return _launch(x.contiguous(), None, None, None, weight, 0, out_dtype=out_dtype)[0]
     return _reference_gemv(x, weight, float32)
 
 
@@ -128,4 +161,4 @@ def _reference_gemv(x, weight, float32):
 
 @gemv.register_fake
 def _(x, weight, float32=False):
-    return x.new_empty(1, weight.shape[0], dtype=torch.float32 if float32 else x.dtype)
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if float32 else x.dtype)

@@ -1,7 +1,11 @@
 """Fused projections: one matmul for q/k/v (or gate/up), loaded from the separate checkpoint tensors."""
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .gemv import few_rows, gemv
 
 
 class MergedLinear(nn.Linear):
@@ -13,6 +17,11 @@ class MergedLinear(nn.Linear):
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
         super().__init__(in_features, sum(shards.values()), bias=bias)
         self.shards = dict(shards)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and few_rows(x):  # a few decode rows: layers/gemv.py's kernel (FEW_ROWS)
+            return gemv(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     def shard_rows(self) -> dict[str, slice]:
         """Checkpoint sub-module name → the rows of this weight (and bias) it fills."""

@@ -16,7 +16,7 @@ from ..attention.layer import Attention
 from ..compile import fused
 from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
-from ..layers.gemv import gemv, norm_gemv, one_row
+from ..layers.gemv import few_rows, gemv, norm_gemv, one_row
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..masks import causal, sliding_window, softcap
@@ -277,7 +277,7 @@ class DecoderForCausalLM(nn.Module):
         """[N, V] logits, in float32 unless `float32` is False (the model dtype: prompt logprobs score every
         prompt row, and reduce them in float32 without a [rows, vocab] float32 copy)."""
         head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
-        if one_row(hidden):  # float32 from the kernel where nothing follows in the model dtype: no conversion launch
+        if one_row(hidden) or few_rows(hidden):  # float32 from the kernel where nothing follows in the model dtype
             rows = gemv(hidden, head.weight, float32 and self.spec.final_softcap is None)
         else:
             rows = nn.functional.linear(hidden, head.weight)
