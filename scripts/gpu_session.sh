@@ -172,7 +172,7 @@ for stage in ${*:-tests attention compare latency}; do
            step profile_tp2 240 python3 scripts/profile_step.py --model "$MODEL8B_DIR" -tp 2 --num-prompts 64 \
              --output-len 16 --decode-batches 1,256 --arrival-batch 0; } ;;  # the all-reduces' share of a decode step
     one_row) model && i=0 && for parts in ${ONE_ROW_VARIANTS:-norm,silu,head norm,silu,head,o,down,prefetch norm,silu,head norm,silu,head,o,down,prefetch}; do i=$((i+1))
-             step "latency_one_row_${i}_$parts" 150 python3 scripts/one_row_parts.py ${parts/none/} -- \
+             step "latency_one_row_${i}_${parts//,/+}" 150 python3 scripts/one_row_parts.py ${parts/none/} -- \
                $(latency_4k 1); done ;;  # issue 16: batch 1 with and without layers/gemv.py
     pdl) model && for b in ${PDL_BATCHES:-1 8 32}; do for v in off on; do  # FLEXENGINE_PDL off and on, batch by batch
              step "latency_pdl_b${b}_$v" 150 env FLEXENGINE_PDL=$v python3 -m flexengine.cli bench latency \
