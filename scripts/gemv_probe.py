@@ -11,7 +11,9 @@ kernel's best configuration and its largest difference from cuBLAS. The GEMV: ea
 the weight over a 1/SPLIT_K share of K and keeps its partial sums in float32; with SPLIT_K > 1 a second kernel sums the
 splits (as cuBLAS's splitKreduce does), inside the same graph. A probe to decide whether the engine should carry its own
 small-M GEMM, not part of the engine. The last column: the engine's one-row kernel
-(flexengine/layers/gemv.py) with the decoder's residual sum and RMSNorm in its prologue, at the best configuration. Runs the kernel in Triton's interpreter on a CPU (correctness only).
+(flexengine/layers/gemv.py) with the decoder's residual sum and RMSNorm in its prologue, at the best configuration;
+at more than one row, the engine's few-rows kernel (gemv.FEW_ROWS's rows_kernel) at its best of ROWS_CONFIGS. Runs
+the kernels in Triton's interpreter on a CPU (correctness only).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import triton.language as tl  # noqa: E402
 
 from flexengine.benchmarks.common import graph_us  # noqa: E402
 from flexengine.layers.gemv import _kernel as one_row_kernel  # noqa: E402
+from flexengine.layers.gemv import _rows_kernel as rows_kernel  # noqa: E402
 
 SHAPES = {  # (out features N, in features K) of each batch-1 projection
     "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
@@ -38,6 +41,7 @@ SHAPES = {  # (out features N, in features K) of each batch-1 projection
                "lm_head": (64128, 4096)},  # one rank's shards at TP=2 (issue 23)
 }
 CONFIGS = [(bn, bk, s, w) for bn in (4, 8, 16) for bk in (512, 1024) for s in (1, 2) for w in (4, 8)]
+ROWS_CONFIGS = [(bn, bk, w) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)]
 COLD_MB = 256  # enough weight copies to read per graph that none stays in L2 (50 MB on the H100)
 
 
@@ -71,6 +75,17 @@ def gemv_norm(r, d, nw, w, block_n: int, block_k: int, warps: int, eps: float = 
     return out
 
 
+def engine_rows(x, w, block_n: int, block_k: int, warps: int) -> torch.Tensor:
+    """The engine's few-rows kernel (flexengine/layers/gemv.py's rows_kernel, gemv.FEW_ROWS), launched plainly (no
+    PDL, nothing prefetched), at this configuration."""
+    (M, K), N = x.shape, w.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    rows_kernel()[(triton.cdiv(N, block_n),)](x, w, out, M, N, K, USE_PDL=False, PREFETCH=0,
+                                              M_PAD=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
+                                              BLOCK_K=block_k, num_warps=warps)
+    return out
+
+
 @triton.jit
 def split_sum_kernel(partial_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """out = the sum of the SPLITS float32 partials, in out's dtype (what cuBLAS's splitKreduce does)."""
@@ -100,6 +115,8 @@ def main() -> None:
     p.add_argument("--rows", default="1")
     p.add_argument("--shapes", default="1b,8b,8b_tp2", help=f"of {', '.join(SHAPES)}")
     p.add_argument("--json", default=None)
+    p.add_argument("--engine-only", action="store_true",
+                   help="skip the probe's own GEMV: cuBLAS against the engine's kernels only (a shorter run)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -109,8 +126,9 @@ def main() -> None:
     if cuda:
         print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | bf16")
     print("| projection | N x K | rows | weight MB | cuBLAS µs | cuBLAS TB/s | Triton µs | Triton TB/s | best (BLOCK_N, "
-          "BLOCK_K, SPLIT_K, warps) | max diff | Triton with the norm µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "BLOCK_K, SPLIT_K, warps) | max diff | Triton with the norm µs | few-rows kernel µs (BLOCK_N, BLOCK_K, "
+          "warps) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     shapes = [(f"{model} {name}", nk) for model in args.shapes.split(",") for name, nk in SHAPES[model].items()]
     for name, (N, K) in shapes:
         if not cuda:
@@ -123,6 +141,8 @@ def main() -> None:
             x = torch.randn(M, K, generator=g, device=device).to(dtype)
             want = torch.nn.functional.linear(x, ws[0])
             configs = CONFIGS if cuda else [(16, 512, 1, 4), (8, 256, 4, 4)]
+            if args.engine_only:  # one configuration: the engine's one-row shape, for the norm column's M = 1
+                configs = [(4, 1024, 1, 4) if cuda else (16, 512, 1, 4)]
             best = None
             for cfg in configs:
                 if K % (cfg[1] * cfg[2]):
@@ -145,11 +165,20 @@ def main() -> None:
                 assert (got.float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max() + 1e-3, name
                 norm_us = graph_us(lambda i: gemv_norm(r, d, nw, ws[i % copies], cfg[0], cfg[1], cfg[3]), calls)[0] \
                     if cuda else 0.0
+            rows_best = None  # the engine's few-rows kernel (M > 1), best configuration
+            for rcfg in (ROWS_CONFIGS if cuda else [(16, 64, 4)]) if M > 1 else []:
+                got = engine_rows(x, ws[0], *rcfg)
+                assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max() + 1e-3, (name, rcfg)
+                rus = graph_us(lambda i: engine_rows(x, ws[i % copies], *rcfg), calls)[0] if cuda else 0.0
+                if rows_best is None or rus < rows_best[0]:
+                    rows_best = (rus, rcfg)
             tbs = (lambda t: mb / t if t else 0.0)  # MB per µs = TB/s
             print(f"| {name} | {N} x {K} | {M} | {mb:.1f} | {blas:.1f} | {tbs(blas):.2f} | {us:.1f} | {tbs(us):.2f} "
-                  f"| {cfg} | {diff:.2e} | {'' if norm_us is None else f'{norm_us:.1f}'} |")
+                  f"| {cfg} | {diff:.2e} | {'' if norm_us is None else f'{norm_us:.1f}'} "
+                  f"| {'' if rows_best is None else f'{rows_best[0]:.1f} {rows_best[1]}'} |")
             results.append(dict(name=name, N=N, K=K, rows=M, weight_mb=mb, cublas_us=blas, triton_us=us,
-                                config=cfg, max_diff=diff, norm_us=norm_us))
+                                config=cfg, max_diff=diff, norm_us=norm_us,
+                                rows_kernel_us=rows_best and rows_best[0], rows_kernel_config=rows_best and rows_best[1]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
