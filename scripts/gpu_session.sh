@@ -15,9 +15,9 @@
 # penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
-# latency at batch 8 and 32), small_batch_leads (batch 8 and 32: the default, scripts/kv_write_autotune.py,
-# FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows", after gemv_probe.py's few-rows kernel against cuBLAS;
-# Inductor's source of the rotary + KV-write kernel), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
+# latency at batch 8 and 32), gemv_rows (gemv_probe.py: the few-rows kernel against cuBLAS at 8 and 32 rows),
+# small_batch_leads (at SMALL_BATCHES, default "8 32": the default, scripts/kv_write_autotune.py,
+# FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
 # throughput, 4,096-token engines), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
@@ -183,9 +183,9 @@ for stage in ${*:-tests attention compare latency}; do
              --output-len 256; done ;;
     small_batches) model && for b in 8 32; do step "latency_batch_$b" 150 python3 -m flexengine.cli bench latency \
              $(latency_4k "$b"); done ;;  # issue 16: ms a step at batch 8 and 32
-    small_batch_leads) model && step gemv_rows 200 python3 scripts/gemv_probe.py --rows 8,32 --shapes 1b --engine-only \
-             --json "$OUT/gemv_rows.json"  # the few-rows kernel against cuBLAS, alone, at its best configuration
-           for b in 8 32; do  # issue 16's batch-8/32 ratio: where session 24's profile points
+    gemv_rows) step gemv_rows 200 python3 scripts/gemv_probe.py --rows 8,32 --shapes 1b --engine-only \
+             --json "$OUT/gemv_rows.json" ;;  # the few-rows kernel against cuBLAS, alone, at its best configuration
+    small_batch_leads) model && for b in ${SMALL_BATCHES:-8 32}; do  # issue 16's batch-8/32 ratio: session 24's leads
              step "latency_b${b}_default" 150 python3 -m flexengine.cli bench latency $(latency_4k "$b")
              step "latency_b${b}_kv_write_autotuned" 150 python3 scripts/kv_write_autotune.py -- $(latency_4k "$b")
              step "latency_b${b}_split_kv_kernel" 150 env FLEXENGINE_SPLIT_KV=kernel python3 -m flexengine.cli bench \
