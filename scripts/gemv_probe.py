@@ -68,10 +68,10 @@ def gemv_norm(r, d, nw, w, block_n: int, block_k: int, warps: int, eps: float = 
     prologue, at this configuration."""
     N, K = w.shape
     out = torch.empty(1, N, dtype=w.dtype, device=w.device)
-    one_row_kernel()[(triton.cdiv(N, block_n),)](r, d, r, nw, w, out, out, N, K, eps, PROLOGUE=1, HAS_A=True,
-                                                 HAS_B=False, WRITE_SUM=False, GATED=False, USE_PDL=False, PREFETCH=0,
-                                                 BLOCK_N=block_n, BLOCK_K=block_k,
-                                                 num_warps=warps)
+    unused = r  # the rotary epilogue's pointers (ROPE off)
+    one_row_kernel()[(triton.cdiv(N, block_n),)](r, d, r, nw, w, out, out, N, K, eps, *[unused] * 5, PROLOGUE=1,
+                                                 HAS_A=True, HAS_B=False, WRITE_SUM=False, GATED=False, USE_PDL=False,
+                                                 PREFETCH=0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out
 
 

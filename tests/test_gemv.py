@@ -33,9 +33,10 @@ def test_the_kernel_under_triton_s_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
                            f"{__file__}::test_the_kernel_equals_the_plain_arithmetic",
-                           f"{__file__}::test_the_rows_kernel_equals_a_plain_matmul"],
+                           f"{__file__}::test_the_rows_kernel_equals_a_plain_matmul",
+                           f"{__file__}::test_the_rope_epilogue_rotates_q_and_k_and_stores_k_and_v"],
                           env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def plain(prologue: int, x, a, b, nw, w, eps: float, gated: bool = False):
@@ -121,6 +122,57 @@ def test_the_rows_kernel_equals_a_plain_matmul(m, n, k, prefetch, float32_out, s
         assert torch.equal(got, got.to(dtype).float())
 
 
+def rotate(x, cos, sin):
+    """Rotary in the neox layout, in float32: (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos.float() - x2 * sin.float(), x2 * cos.float() + x1 * sin.float()), dim=-1)
+
+
+@pytest.mark.gpu
+@settings(max_examples=20, deadline=None)
+@given(q_heads=st.sampled_from([1, 2, 4]), kv_heads=st.sampled_from([1, 2]), half=st.sampled_from([2, 4, 32, 36]),
+       k=st.sampled_from([7, 64, 1000]), page=st.sampled_from([1, 4]), summands=st.integers(0, 2),
+       prefetch=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_the_rope_epilogue_rotates_q_and_k_and_stores_k_and_v(q_heads, kv_heads, half, k, page, summands, prefetch,
+                                                             seed):
+    """norm_gemv_rope's kernel: the projection as norm_gemv's, q and k rotated, q returned, k and v stored at the
+    slot and nowhere else in the caches; bf16 on a GPU, float32 in the interpreted process on the CPU."""
+    if not torch.cuda.is_available() and not INTERPRETED:
+        pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
+    D, pages = 2 * half, 3
+    x, nw = rand(1, k), (torch.rand(k, generator=g) + 0.5).to(dtype).to(device)
+    a, b = (rand(1, k) if summands > i else None for i in range(2))
+    w = rand((q_heads + 2 * kv_heads) * D, k)
+    angle = torch.rand(half, generator=g) * 6.28
+    cos, sin = angle.cos().to(dtype).to(device), angle.sin().to(dtype).to(device)
+    slot = torch.randint(0, pages * page, (1,), generator=g).to(device)
+    k_cache, v_cache = rand(pages, page, kv_heads, D), rand(pages, page, kv_heads, D)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    default, G.PREFETCH = G.PREFETCH, prefetch
+    try:
+        q, total = G._launch(x, a, b, nw, w, 1, 1e-5, write_sum=True,
+                             rope=(cos, sin, slot, k_cache, v_cache, q_heads, kv_heads))
+    finally:
+        G.PREFETCH = default
+    qkv, want_total = plain(1, x, a, b, nw, w, 1e-5)
+    qkv = qkv.to(dtype).view(-1, D)  # the projection rounded as stored, then rotated in float32
+    want_q = rotate(qkv[:q_heads], cos, sin).reshape(1, -1)
+    want_k, want_v = rotate(qkv[q_heads:q_heads + kv_heads], cos, sin), qkv[q_heads + kv_heads:].float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    scale = qkv.float().abs().max() + 1
+    assert q.shape == (1, q_heads * D) and torch.equal(total, want_total)
+    assert (q.float() - want_q).abs().max() <= tol * scale
+    p, o = int(slot) // page, int(slot) % page
+    assert (k_cache[p, o].float() - want_k).abs().max() <= tol * scale
+    assert (v_cache[p, o].float() - want_v).abs().max() <= tol * scale
+    k_before[p, o], v_before[p, o] = k_cache[p, o], v_cache[p, o]
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)  # nothing else written
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch is a CUDA launch")
 def test_the_kernel_launched_with_pdl_computes_the_same(monkeypatch):
@@ -194,19 +246,22 @@ def test_the_decoders_one_row_path_equals_its_ordinary_path(family, tmp_path, mo
     forced = lambda x: calls.append(x.shape[0]) or x.shape[0] == 1  # noqa: E731
     monkeypatch.setattr(decoder, "one_row", forced)
     monkeypatch.setattr(row_layers, "one_row", forced)
-    norm_gemv, gemv = decoder.norm_gemv, row_layers.gemv
+    norm_gemv, norm_gemv_rope, gemv = decoder.norm_gemv, decoder.norm_gemv_rope, row_layers.gemv
     monkeypatch.setattr(decoder, "norm_gemv", lambda *a: norm_folds.append(a[-1] if len(a) == 7 else False)
                         or norm_gemv(*a))
+    monkeypatch.setattr(decoder, "norm_gemv_rope", lambda *a: norm_folds.append("rope") or norm_gemv_rope(*a))
     monkeypatch.setattr(row_layers, "gemv", lambda x, w: row_parallel.append(w.shape) or gemv(x, w))
     folded = run()
     assert calls and 1 in calls
     # which projections take the kernels: qwen2's q/k/v has a bias, llama_tied_mha's every projection, Gemma's norms
-    # are 1 + w (its o and down take the plain GEMV)
-    want = {"qwen2": ["gate/up", "o", "down"], "gemma2": ["o", "down"],
-            "llama_tied_mha": []}.get(family, ["q/k/v", "gate/up", "o", "down"])
+    # are 1 + w (its o and down take the plain GEMV); Qwen3's per-head norm keeps rotary out of q/k/v's epilogue
+    rope = "rotary and the K/V store (q/k/v's epilogue)"
+    want = {"qwen2": ["gate/up", "o", "down"], "gemma2": ["o", "down"], "llama_tied_mha": [],
+            "qwen3": ["q/k/v", "gate/up", "o", "down"]}.get(family, ["q/k/v", rope, "gate/up", "o", "down"])
     assert folds == [want + ["LM head"]] * 2
     assert (True in norm_folds) == ("gate/up" in want)  # gate/up with SiLU-and-mul as its epilogue
-    assert (False in norm_folds) == ("q/k/v" in want)
+    assert ("rope" in norm_folds) == (rope in want)  # q/k/v with rotary and the cache store as its epilogue
+    assert (False in norm_folds) == ("q/k/v" in want and rope not in want)
     spec = specs[0]
     o_shape, down_shape = (spec.hidden_size, spec.num_heads * spec.head_dim), (spec.hidden_size, spec.intermediate_size)
     assert {o_shape, down_shape} & set(row_parallel) == {s for s, name in ((o_shape, "o"), (down_shape, "down"))

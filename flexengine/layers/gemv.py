@@ -7,6 +7,8 @@ computes its input itself:
 - `norm_gemv`: w @ rmsnorm(x [+ a] [+ b]) — the decoder's residual additions and norm in the prologue (each
   program recomputes the row's statistics from L2); the summed residual stream comes out too; for gate/up, SiLU
   and the gating product in the epilogue;
+- `norm_gemv_rope`: norm_gemv for q/k/v with rotary and the K/V cache store as its epilogue (a program takes two
+  rotary pairs (j, j + D/2) of one head), so the batch-1 layer's rotary kernel goes too (not yet timed on a GPU);
 - `gemv`: w @ x: the LM head, whose logits it can store as float32 for the sampler (the values rounded to the
   model's dtype, as before; one conversion launch fewer), and the bias-free o and down projections
   (parallel/layers.py's RowParallelLinear). It also takes a few rows [M <= FEW_ROWS, K] (`rows_kernel`, the rows
@@ -81,18 +83,26 @@ def _pdl_capable(device: torch.device) -> bool:
 
 
 def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = False, gated: bool = False,
-            out_dtype: torch.dtype | None = None):
+            out_dtype: torch.dtype | None = None, rope: tuple | None = None):
+    """`rope`: (cos [D/2], sin [D/2], slot [1], k_cache, v_cache, query heads, KV heads): w is q/k/v's, and the
+    kernel rotates q and k, stores k and v at the slot, and returns q alone (norm_gemv_rope)."""
     N, K = w.shape
     pdl = PDL and _pdl_capable(x.device)
     N = N // 2 if gated else N
     assert x.shape[0] == 1 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
-    out = x.new_empty(1, N, dtype=out_dtype or x.dtype)
+    dummy = x  # never read: HAS_A / HAS_B / the prologue / ROPE say which pointers are
+    cos, sin, slot, k_cache, v_cache, q_heads, kv_heads = rope or (dummy, dummy, dummy, dummy, dummy, 0, 0)
+    half = cos.numel() if rope else 0
+    if rope:
+        assert half % 2 == 0 and N == (q_heads + 2 * kv_heads) * 2 * half, (N, q_heads, kv_heads, half)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (kv_heads, 2 * half)
+    out = x.new_empty(1, q_heads * 2 * half if rope else N, dtype=out_dtype or x.dtype)
     total = x.new_empty(1, K) if write_sum else out
-    dummy = x  # never read: HAS_A / HAS_B / the prologue say which pointers are
     _kernel()[(-(-N // BLOCK_N),)](
         x, a if a is not None else dummy, b if b is not None else dummy, nw if nw is not None else dummy, w, out,
-        total, N, K, eps, PROLOGUE=prologue, HAS_A=a is not None, HAS_B=b is not None, WRITE_SUM=write_sum,
-        GATED=gated, USE_PDL=pdl, PREFETCH=PREFETCH, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
+        total, N, K, eps, cos, sin, slot, k_cache, v_cache, PROLOGUE=prologue, HAS_A=a is not None,
+        HAS_B=b is not None, WRITE_SUM=write_sum, GATED=gated, USE_PDL=pdl, PREFETCH=PREFETCH, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K, ROPE=rope is not None, Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=half, num_warps=WARPS,
         **({"launch_pdl": True} if pdl else {}))
     return out, total
 
@@ -140,6 +150,34 @@ def norm_gemv(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, n
 @norm_gemv.register_fake
 def _(x, a, b, norm_weight, weight, eps, gated=False):
     return x.new_empty(1, weight.shape[0] // 2 if gated else weight.shape[0]), x.new_empty(1, x.shape[1])
+
+
+@torch.library.custom_op("flexengine::norm_gemv_rope", mutates_args=("k_cache", "v_cache"))
+def norm_gemv_rope(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, norm_weight: torch.Tensor,
+                   weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                   num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_gemv for q/k/v with what follows it in the layer folded in as well: rotary on q and k (cos, sin: the
+    step's [1, 1, D/2], neox layout) and k and v stored into the paged caches [pages, page size, KV heads, D] at the
+    token's slot. → (q [1, num_heads * D] rotated, x + a + b)."""
+    if x.is_cuda:
+        rope = (cos.reshape(-1), sin.reshape(-1), slot_mapping, k_cache, v_cache, num_heads, num_kv_heads)
+        return _launch(x.contiguous(), a, b, norm_weight, weight, 1, eps, write_sum=True, rope=rope)
+    from .rotary import apply_rotary
+    h = _reference_sum(x, a, b)
+    qkv = F.linear(_reference_norm(h, norm_weight, eps), weight)
+    D = 2 * cos.shape[-1]
+    q, k, v = qkv.view(1, -1, D).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    q, k = apply_rotary.eager(q, cos, sin), apply_rotary.eager(k, cos, sin)
+    page_offset = (slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1])  # as attention's write_kv
+    k_cache.index_put_(page_offset, k.to(k_cache.dtype))
+    v_cache.index_put_(page_offset, v.to(v_cache.dtype))
+    return q.reshape(1, -1).clone(), h
+
+
+@norm_gemv_rope.register_fake
+def _(x, a, b, norm_weight, weight, eps, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads):
+    return x.new_empty(1, num_heads * 2 * cos.shape[-1]), x.new_empty(1, x.shape[1])
 
 
 @torch.library.custom_op("flexengine::gemv", mutates_args=())

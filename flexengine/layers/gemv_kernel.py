@@ -43,18 +43,56 @@ def weight_tile_or_prefetched(w_ptr, row0, n, k, N, K, k0, BLOCK_K: tl.constexpr
 
 
 @triton.jit
+def rope_rows(pid, HALF: tl.constexpr):
+    # ROPE: program pid takes rotary pairs 2 pid and 2 pid + 1 of one head (HALF even: both in the same head), the
+    # rows (j, j + HALF) of each: [j0, j0 + HALF, j1, j1 + HALF] → (rows, the head, the pairs' j)
+    h = (pid * 2) // HALF
+    j = (pid * 2) % HALF + tl.arange(0, 2)
+    n = tl.reshape(h * 2 * HALF + j[:, None] + (tl.arange(0, 2) * HALF)[None, :], [4])
+    return n, h, j
+
+
+@triton.jit
+def rope_epilogue(y, h, j, n, cos_ptr, sin_ptr, slot_ptr, out_ptr, kc_ptr, vc_ptr, dtype,
+                  Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+    # y [4]: the q/k/v rows of rope_rows, rounded to the model's dtype. q and k rotated (x1 cos - x2 sin,
+    # x2 cos + x1 sin in float32, rounded once, as Inductor's rotary kernel); q into out, k and v into the caches at
+    # the token's slot (contiguous [pages, page size, KV heads, D]: slot * KV_HEADS * D + the row in k or v)
+    x1, x2 = tl.split(tl.reshape(y, [2, 2]))
+    c = tl.load(cos_ptr + j).to(tl.float32)
+    s = tl.load(sin_ptr + j).to(tl.float32)
+    rotate = h < Q_HEADS + KV_HEADS
+    o1 = tl.where(rotate, x1 * c - x2 * s, x1)
+    o2 = tl.where(rotate, x2 * c + x1 * s, x2)
+    o = tl.reshape(tl.join(o1, o2), [4]).to(dtype)
+    q_rows = Q_HEADS * 2 * HALF
+    kv_rows = KV_HEADS * 2 * HALF
+    slot = tl.load(slot_ptr)
+    tl.store(out_ptr + n, o.to(out_ptr.dtype.element_ty), mask=n < q_rows)
+    tl.store(kc_ptr + slot * kv_rows + (n - q_rows), o, mask=(n >= q_rows) & (n < q_rows + kv_rows))
+    tl.store(vc_ptr + slot * kv_rows + (n - q_rows - kv_rows), o, mask=n >= q_rows + kv_rows)
+
+
+@triton.jit
 def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
+                cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
                 PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, HAS_B: tl.constexpr, WRITE_SUM: tl.constexpr,
                 GATED: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, ROPE: tl.constexpr = False, Q_HEADS: tl.constexpr = 0,
+                KV_HEADS: tl.constexpr = 0, HALF: tl.constexpr = 0):
     # PROLOGUE 0: the input is x; 1: rmsnorm(x + a + b) * nw.
     # GATED: w is [2N, K] = [gate; up], and the output silu(w[:N] @ x) * (w[N:] @ x): a program takes the
     # same rows of both halves, so the activation is an epilogue (no second read of anything)
+    # ROPE (BLOCK_N 4): w is q/k/v's [(Q_HEADS + 2 KV_HEADS) * 2 HALF, K]; a program takes two rotary pairs' rows
+    # (rope_rows), so rotary and the K/V cache store are an epilogue (rope_epilogue), and only q comes out
     # USE_PDL: launched while the kernel before drains; its writes are visible only after gdc_wait. PREFETCH (0-2,
     # with USE_PDL): that many weight tiles are loaded before that wait (no kernel writes the weights), so the read
     # starts while the kernel before finishes
     pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        n, head, pair_j = rope_rows(pid, HALF)
+    else:
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w_first, w_second, u_first, u_second = 0.0, 0.0, 0.0, 0.0  # placeholders for the tiles PREFETCH does not read
     if PREFETCH >= 1:
         k = tl.arange(0, BLOCK_K)
@@ -100,7 +138,11 @@ def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
     if GATED:  # the projections rounded as cuBLAS's output is, then silu(g) * u rounded once, as Inductor's kernel
         g = acc.to(dtype).to(tl.float32)
         acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + n, acc.to(dtype).to(out_ptr.dtype.element_ty), mask=n < N)
+    if ROPE:
+        rope_epilogue(acc.to(dtype).to(tl.float32), head, pair_j, n, cos_ptr, sin_ptr, slot_ptr, out_ptr, kc_ptr,
+                      vc_ptr, dtype, Q_HEADS, KV_HEADS, HALF)
+    else:
+        tl.store(out_ptr + n, acc.to(dtype).to(out_ptr.dtype.element_ty), mask=n < N)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from ..attention.layer import Attention
 from ..compile import fused
 from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
-from ..layers.gemv import few_rows, gemv, norm_gemv, one_row
+from ..layers.gemv import few_rows, gemv, norm_gemv, norm_gemv_rope, one_row
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..masks import causal, sliding_window, softcap
@@ -139,6 +139,9 @@ class DecoderLayer(nn.Module):
         plain = not spec.norm_unit_offset
         self.fold_qkv = plain and not spec.qkv_bias
         self.fold_mlp = plain and not spec.mlp_bias and not self.sandwich
+        # and rotary and the K/V store into q/k/v's epilogue, where no per-head norm comes between (Qwen3's) and a
+        # program's two rotary pairs fit one head (D/2 even)
+        self.fold_rope = self.fold_qkv and not spec.qk_norm and spec.head_dim % 4 == 0
 
     # The layer's work on either side of attention is two compiled regions on the CUDA engine (one
     # Inductor graph each, dynamic in T, shared by every layer); paged attention stays between them.
@@ -152,9 +155,14 @@ class DecoderLayer(nn.Module):
         The step's new K/V go into the paged cache here, so that Inductor stores them from the rotary kernel
         instead of two copy launches after it (the caches are separate tensors for this: attention/kv_cache.py)."""
         if self.fold_qkv and one_row(x):
-            norm = self.input_layernorm
-            qkv, x = norm_gemv(x, attn_delta, mlp_delta, norm.weight, self.self_attn.qkv_proj.weight, norm.eps)
-            q, k, v = self.self_attn.heads(qkv, cos, sin)
+            norm, attn = self.input_layernorm, self.self_attn
+            if self.fold_rope and k_cache.dtype == x.dtype:  # one kernel: the residual sum to the cache store
+                q, x = norm_gemv_rope(x, attn_delta, mlp_delta, norm.weight, attn.qkv_proj.weight, norm.eps, cos, sin,
+                                      slot_mapping, k_cache, v_cache, attn.qkv_proj.num_heads,
+                                      attn.qkv_proj.num_kv_heads)
+                return q.view(1, -1, attn.head_dim), x
+            qkv, x = norm_gemv(x, attn_delta, mlp_delta, norm.weight, attn.qkv_proj.weight, norm.eps)
+            q, k, v = attn.heads(qkv, cos, sin)
         else:
             if attn_delta is not None:
                 x = x + attn_delta + mlp_delta
@@ -262,10 +270,12 @@ class DecoderForCausalLM(nn.Module):
 
     def one_row_projections(self) -> list[str]:
         """The projections a one-row step runs on layers/gemv.py's kernels (q/k/v and gate/up with their norm folded
-        in, o and down where bias-free, the LM head always): a layer with Gemma's (1 + w) norm or a biased projection
-        keeps the plain one."""
+        in, q/k/v with rotary and the K/V store after it too, o and down where bias-free, the LM head always): a layer
+        with Gemma's (1 + w) norm or a biased projection keeps the plain one."""
         layers, spec = self.model.layers, self.spec
         return [name for name, folded in (("q/k/v", all(layer.fold_qkv for layer in layers)),
+                                          ("rotary and the K/V store (q/k/v's epilogue)",
+                                           all(layer.fold_rope for layer in layers)),
                                           ("gate/up", all(layer.fold_mlp for layer in layers)),
                                           ("o", not spec.o_bias), ("down", not spec.mlp_bias),
                                           ("LM head", True)) if folded]
