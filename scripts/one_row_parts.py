@@ -6,8 +6,9 @@ sum and RMSNorm folded into q/k/v and gate/up ("norm"), SiLU's gating as gate/up
 reading its first weight tile before programmatic dependent launch's wait ("prefetch"; "prefetch2" reads two, which
 the engine does not). "rows" (not in the engine yet either) sets layers/gemv.py's FEW_ROWS to 32, so that batches
 of 2-32 run their plain projections (q/k/v, gate/up, o, down, the LM head) on its few-rows kernel, for `--batch-size`
-8 or 32. This runs `flexengine bench latency` with only the named parts; the others take the ordinary path (cuBLAS
-and Inductor's kernels):
+8 or 32. "rope" (not in the engine yet either: ROPE_EPILOGUE) has q/k/v's kernel apply rotary and store K/V into
+the cache itself (norm_gemv_rope). This runs `flexengine bench latency` with only the named parts; the others take
+the ordinary path (cuBLAS and Inductor's kernels):
 
     python3 scripts/one_row_parts.py norm,silu,head,o,down,prefetch -- --model DIR --max-model-len 4096 ...
 
@@ -20,7 +21,7 @@ import sys
 
 import torch.nn.functional as F
 
-PARTS = ("norm", "silu", "head", "o", "down", "prefetch", "prefetch2", "rows")
+PARTS = ("norm", "silu", "head", "o", "down", "prefetch", "prefetch2", "rows", "rope")
 
 
 def use_only(parts: set[str]) -> None:
@@ -29,6 +30,7 @@ def use_only(parts: set[str]) -> None:
     from flexengine.parallel import layers
     G.PREFETCH = 2 if "prefetch2" in parts else int("prefetch" in parts)
     G.FEW_ROWS = 32 if "rows" in parts else 0
+    G.ROPE_EPILOGUE = "rope" in parts
     init = decoder.DecoderLayer.__init__
 
     def without_parts(self, *args, **kwargs):

@@ -229,6 +229,7 @@ def test_the_decoders_one_row_path_equals_its_ordinary_path(family, tmp_path, mo
     from flexengine.models import decoder
     from flexengine.parallel import layers as row_layers
     _, path = make_checkpoint(family, tmp_path)
+    monkeypatch.setattr(G, "ROPE_EPILOGUE", True)  # (off by default until timed on a GPU)
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids": [1, 2, 3]}]
 
@@ -292,6 +293,7 @@ def test_the_one_row_ops_trace_in_the_compiled_regions_without_recompiles(gpu_sh
     monkeypatch.setattr(G, "_reference_gemv", lambda *a: gemvs.append(a[1].shape) or reference_gemv(*a))
     monkeypatch.setattr(decoder, "one_row", lambda x: x.shape[0] == 1)
     monkeypatch.setattr(row_layers, "one_row", lambda x: x.shape[0] == 1)  # o and down
+    monkeypatch.setattr(G, "ROPE_EPILOGUE", True)  # q/k/v with rotary and the cache store, a mutating op in a region
     folded = LLM(path, **config)
     assert folded.llm_engine.runner.static_shapes
     before, ran, ran_gemv = compile_count(), len(sums), len(gemvs)

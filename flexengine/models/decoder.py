@@ -16,6 +16,7 @@ from ..attention.layer import Attention
 from ..compile import fused
 from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
+from ..layers import gemv as one_row_gemv
 from ..layers.gemv import few_rows, gemv, norm_gemv, norm_gemv_rope, one_row
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary
@@ -139,9 +140,9 @@ class DecoderLayer(nn.Module):
         plain = not spec.norm_unit_offset
         self.fold_qkv = plain and not spec.qkv_bias
         self.fold_mlp = plain and not spec.mlp_bias and not self.sandwich
-        # and rotary and the K/V store into q/k/v's epilogue, where no per-head norm comes between (Qwen3's) and a
-        # program's two rotary pairs fit one head (D/2 even)
-        self.fold_rope = self.fold_qkv and not spec.qk_norm and spec.head_dim % 4 == 0
+        # and rotary and the K/V store into q/k/v's epilogue (layers/gemv.py's ROPE_EPILOGUE), where no per-head norm
+        # comes between (Qwen3's) and a program's two rotary pairs fit one head (D/2 even)
+        self.fold_rope = one_row_gemv.ROPE_EPILOGUE and self.fold_qkv and not spec.qk_norm and spec.head_dim % 4 == 0
 
     # The layer's work on either side of attention is two compiled regions on the CUDA engine (one
     # Inductor graph each, dynamic in T, shared by every layer); paged attention stays between them.
