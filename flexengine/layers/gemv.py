@@ -98,7 +98,7 @@ def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = F
     cos, sin, slot, k_cache, v_cache, q_heads, kv_heads = rope or (dummy, dummy, dummy, dummy, dummy, 0, 0)
     half = cos.numel() if rope else 0
     if rope:
-        assert half % 2 == 0 and N == (q_heads + 2 * kv_heads) * 2 * half, (N, q_heads, kv_heads, half)
+        assert BLOCK_N == 4 and half % 2 == 0 and N == (q_heads + 2 * kv_heads) * 2 * half, (N, q_heads, kv_heads, half)
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (kv_heads, 2 * half)
     out = x.new_empty(1, q_heads * 2 * half if rope else N, dtype=out_dtype or x.dtype)
     total = x.new_empty(1, K) if write_sum else out
