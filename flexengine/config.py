@@ -97,9 +97,10 @@ ONE_ROW_GEMV_ENV, ONE_ROW_GEMV_MODES = "FLEXENGINE_ONE_ROW_GEMV", ("on", "off")
 
 
 def env_one_row_gemv() -> bool:
-    """FLEXENGINE_ONE_ROW_GEMV: on (the default) runs a one-row step's q/k/v, gate/up and LM head projections on
-    layers/gemv.py's kernels on CUDA, the norms and SiLU folded into them (1.417 → 1.372 ms a step on the H100,
-    docs/benchmarks.md session 23); off keeps cuBLAS and the separate kernels."""
+    """FLEXENGINE_ONE_ROW_GEMV: on (the default) runs a one-row step's projections (q/k/v, gate/up, o, down, the LM
+    head) on layers/gemv.py's kernels on CUDA, the norms and SiLU folded into q/k/v and gate/up (on the H100, 1.417 →
+    1.372 ms a step in session 23; with o and down under PDL, 1.300 → 1.230 in session 24, docs/benchmarks.md); off
+    keeps cuBLAS and the separate kernels."""
     return _env_choice(ONE_ROW_GEMV_ENV, ONE_ROW_GEMV_MODES) == "on"
 
 

@@ -3,6 +3,7 @@ against the same arithmetic written plainly in torch; and the decoder's one-row 
 into the projections) against its ordinary path, on every family, through the engine."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -37,6 +38,16 @@ def test_the_kernel_under_triton_s_interpreter():
                            f"{__file__}::test_the_rope_epilogue_rotates_q_and_k_and_stores_k_and_v"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def prefetching(tiles: int):
+    """gemv.PREFETCH set for the launches inside (hypothesis's tests cannot take the monkeypatch fixture)."""
+    default, G.PREFETCH = G.PREFETCH, tiles
+    try:
+        yield
+    finally:
+        G.PREFETCH = default
 
 
 def plain(prologue: int, x, a, b, nw, w, eps: float, gated: bool = False):
@@ -78,11 +89,8 @@ def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, gated,
     a, b = (rand(1, k) if prologue == 1 and summands > i else None for i in range(2))
     nw = (torch.rand(k, generator=g) + 0.5).to(dtype).to(device) if prologue == 1 else None
     w = rand(2 * n if gated else n, k)
-    default, G.PREFETCH = G.PREFETCH, prefetch
-    try:
+    with prefetching(prefetch):
         got, total = G._launch(x, a, b, nw, w, prologue, 1e-5, write_sum=prologue == 1, gated=gated)
-    finally:
-        G.PREFETCH = default
     want, want_total = plain(prologue, x, a, b, nw, w, 1e-5, gated)
     want = want.detach()
     assert got.shape == (1, n) and got.dtype == dtype
@@ -109,11 +117,8 @@ def test_the_rows_kernel_equals_a_plain_matmul(m, n, k, prefetch, float32_out, s
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator().manual_seed(seed)
     x, w = (torch.randn(*shape, generator=g).to(dtype).to(device) for shape in ((m, k), (n, k)))
-    default, G.PREFETCH = G.PREFETCH, prefetch
-    try:
+    with prefetching(prefetch):
         got = G._launch_rows(x, w, torch.float32 if float32_out else None)
-    finally:
-        G.PREFETCH = default
     want = F.linear(x.float(), w.float())
     assert got.shape == (m, n) and got.dtype == (torch.float32 if float32_out else dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # summation order; bf16: the output's rounding
@@ -152,12 +157,9 @@ def test_the_rope_epilogue_rotates_q_and_k_and_stores_k_and_v(q_heads, kv_heads,
     slot = torch.randint(0, pages * page, (1,), generator=g).to(device)
     k_cache, v_cache = rand(pages, page, kv_heads, D), rand(pages, page, kv_heads, D)
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    default, G.PREFETCH = G.PREFETCH, prefetch
-    try:
+    with prefetching(prefetch):
         q, total = G._launch(x, a, b, nw, w, 1, 1e-5, write_sum=True,
                              rope=(cos, sin, slot, k_cache, v_cache, q_heads, kv_heads))
-    finally:
-        G.PREFETCH = default
     qkv, want_total = plain(1, x, a, b, nw, w, 1e-5)
     qkv = qkv.to(dtype).view(-1, D)  # the projection rounded as stored, then rotated in float32
     want_q = rotate(qkv[:q_heads], cos, sin).reshape(1, -1)

@@ -167,15 +167,13 @@ def norm_gemv_rope(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | No
     if x.is_cuda:
         rope = (cos.reshape(-1), sin.reshape(-1), slot_mapping, k_cache, v_cache, num_heads, num_kv_heads)
         return _launch(x.contiguous(), a, b, norm_weight, weight, 1, eps, write_sum=True, rope=rope)
+    from ..attention.kv_cache import write_kv
     from .rotary import apply_rotary
-    h = _reference_sum(x, a, b)
-    qkv = F.linear(_reference_norm(h, norm_weight, eps), weight)
+    qkv, h = norm_gemv(x, a, b, norm_weight, weight, eps)
     D = 2 * cos.shape[-1]
     q, k, v = qkv.view(1, -1, D).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     q, k = apply_rotary.eager(q, cos, sin), apply_rotary.eager(k, cos, sin)
-    page_offset = (slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1])  # as attention's write_kv
-    k_cache.index_put_(page_offset, k.to(k_cache.dtype))
-    v_cache.index_put_(page_offset, v.to(v_cache.dtype))
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
     return q.reshape(1, -1).clone(), h
 
 

@@ -198,8 +198,8 @@ def _compiled_flex():
     # (symbolic-shape flex kernels hit an illegal memory access on torch 2.11 in the engine's mixed
     # steps; see docs/benchmarks.md).
     configure_dynamo()
-    options = pdl_options()  # (for the kernels around the template: Inductor gives templates no PDL)
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True, **({"options": options} if options else {}))
+    # FLEXENGINE_PDL's option, for the kernels around the template (Inductor gives templates no PDL)
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True, options=pdl_options())
 
 
 class FlexBackend:
