@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 
 import torch
@@ -156,10 +157,12 @@ def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False)
     (`decode_regions`) and once for the rest; inside a compiled region the plain function is traced instead.
     Off unless the engine turns it on.
 
-    `writes_kv_cache`: the step stores into the paged cache in place. Inductor times two configs of each new
-    pointwise kernel on its first run, saving and restoring a mutated input around each timed run, in host
-    memory when a copy does not fit beside a cache that fills the GPU: ~6 s of a cold start-up on the H100
-    (session 20). Such a step's pointwise kernels take Inductor's default config instead.
+    `writes_kv_cache`: the step stores into the paged cache (its `k_cache` and `v_cache` arguments) in place.
+    Inductor times two configs of each new pointwise kernel on its first run, saving and restoring a mutated input
+    around each timed run, in host memory when a copy does not fit beside a cache that fills the GPU: ~6 s of a cold
+    start-up on the H100 (session 20). Such a step's pointwise kernels take Inductor's default config instead.
+    The caches' page size, heads and head size are compiled as constants (only the page count stays dynamic):
+    dynamic ones made the store kernel find each element's page, head and lane by 64-bit division at run time.
 
     `static_vocab`: the first argument's last dimension (the sampler's logits: the vocabulary, one size per engine)
     is compiled as a constant. A dynamic one makes every pointwise kernel over [rows, vocab] divide each element's
@@ -169,12 +172,19 @@ def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False)
     if fn is None:
         return functools.partial(fused, writes_kv_cache=writes_kv_cache, static_vocab=static_vocab)
 
+    signature = inspect.signature(fn)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if not _FUSE["enabled"] or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if static_vocab:
             torch._dynamo.mark_static(args[0], args[0].dim() - 1)
+        if writes_kv_cache:
+            bound = signature.bind(*args, **kwargs).arguments
+            for cache in (bound["k_cache"], bound["v_cache"]):
+                for d in range(1, cache.dim()):
+                    torch._dynamo.mark_static(cache, d)
         combo = _FUSE["combo"]
         if combo not in wrapper.compiled:
             wrapper.compiled[combo] = compile_region(fn, combo, autotune_pointwise=not writes_kv_cache)

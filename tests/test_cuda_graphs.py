@@ -381,6 +381,33 @@ def test_a_region_compiled_on_the_sizing_steps_cache_serves_the_real_one(gpu_sha
     assert real[0][:3].abs().sum() > 0  # the step's keys went into the real cache
 
 
+def test_the_kv_writing_region_compiles_the_page_shape_as_constants():
+    """The region that stores K/V is compiled for the cache's page size, heads and head size (a dynamic page size
+    made the H100's store kernel divide by it in 64 bits, per element), and for any number of pages."""
+    from flexengine.attention.kv_cache import allocate_kv_cache
+    from flexengine.compile import reset_fused, set_fused_elementwise
+    reset_fused()
+    model = LLM(num_kv_blocks=16, enforce_eager=True).llm_engine.runner.model
+    layer, spec = model.model.layers[0], model.spec
+    attn = layer.self_attn.attn
+    x = torch.randn(3, spec.hidden_size)
+    cos, sin = model.model.rotary[model.model.rope_key[layer.layer_type]](torch.arange(3), x.dtype)
+    slots = torch.tensor([0, 9, 17])
+    counts = []
+    set_fused_elementwise(True)
+    try:
+        for pages, page_size in ((4, 32), (9, 32), (4, 8), (7, 8)):  # never the head size (16): duck sizing
+            cache = allocate_kv_cache(1, pages, page_size, attn.num_kv_heads, attn.head_dim, x.dtype, "cpu")[0]
+            before = compile_count()
+            layer.attention_inputs(x, None, None, cos, sin, *cache, slots)
+            counts.append(compile_count() - before)
+            k = cache[0].flatten(0, 1)[slots]
+            assert k.abs().sum(-1).all() and not cache[0].flatten(0, 1)[1:9].any()
+    finally:
+        set_fused_elementwise(False)
+    assert counts == [1, 0, 1, 0], counts
+
+
 def per_request_softcap(score, b, h, q_idx, kv_idx, cap: float):
     return cap[b] * torch.tanh(score / cap[b])
 
