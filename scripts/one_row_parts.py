@@ -6,7 +6,7 @@ sum and RMSNorm folded into q/k/v and gate/up ("norm"), SiLU's gating as gate/up
 reading its first weight tile before programmatic dependent launch's wait ("prefetch"; "prefetch2" reads two, which
 the engine does not). "rows" (not in the engine yet either) sets layers/gemv.py's FEW_ROWS to 32, so that batches
 of 2-32 run their plain projections (q/k/v, gate/up, o, down, the LM head) on its few-rows kernel, for `--batch-size`
-8 or 32. "rope" (not in the engine yet either: ROPE_EPILOGUE) has q/k/v's kernel apply rotary and store K/V into
+8 or 32. "rope" (in the engine since session 25: ROPE_EPILOGUE) has q/k/v's kernel apply rotary and store K/V into
 the cache itself (norm_gemv_rope). This runs `flexengine bench latency` with only the named parts; the others take
 the ordinary path (cuBLAS and Inductor's kernels):
 

@@ -231,7 +231,7 @@ def test_the_decoders_one_row_path_equals_its_ordinary_path(family, tmp_path, mo
     from flexengine.models import decoder
     from flexengine.parallel import layers as row_layers
     _, path = make_checkpoint(family, tmp_path)
-    monkeypatch.setattr(G, "ROPE_EPILOGUE", True)  # (off by default until timed on a GPU)
+    monkeypatch.setattr(G, "ROPE_EPILOGUE", True)  # (the default; a test before may have turned it off)
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids": [1, 2, 3]}]
 

@@ -8,8 +8,8 @@ computes its input itself:
   program recomputes the row's statistics from L2); the summed residual stream comes out too; for gate/up, SiLU
   and the gating product in the epilogue;
 - `norm_gemv_rope`: norm_gemv for q/k/v with rotary and the K/V cache store as its epilogue (a program takes two
-  rotary pairs (j, j + D/2) of one head), so the batch-1 layer's rotary kernel goes too (ROPE_EPILOGUE, off until
-  it runs on a GPU);
+  rotary pairs (j, j + D/2) of one head), so the batch-1 layer's rotary kernel goes too (ROPE_EPILOGUE; H100,
+  session 25: 1.239-1.241 ms/token against 1.259 without, same call);
 - `gemv`: w @ x: the LM head, whose logits it can store as float32 for the sampler (the values rounded to the
   model's dtype, as before; one conversion launch fewer), and the bias-free o and down projections
   (parallel/layers.py's RowParallelLinear). It also takes a few rows [M <= FEW_ROWS, K] (`rows_kernel`, the rows
@@ -45,9 +45,9 @@ PREFETCH = 1  # weight tiles (0-2) read before PDL's wait for the kernel before 
 # rows_kernel, which PDL overlaps as it does the one-row kernel; 0 (the default): cuBLAS, until measured on the H100
 # against it (issue 16's batch 8 and 32; scripts/one_row_parts.py's "rows" part)
 FEW_ROWS = 0
-# q/k/v's one-row kernel with rotary and the K/V store as its epilogue (norm_gemv_rope) where a layer allows it;
-# off until its GPU tests pass and it is timed (scripts/one_row_parts.py's "rope" part)
-ROPE_EPILOGUE = False
+# q/k/v's one-row kernel with rotary and the K/V store as its epilogue (norm_gemv_rope) where a layer allows it
+# (scripts/one_row_parts.py's "rope" part)
+ROPE_EPILOGUE = True
 ROWS_BLOCK_N, ROWS_BLOCK_K, ROWS_WARPS = 16, 256, 4  # a first guess, not yet tuned on a GPU
 
 
