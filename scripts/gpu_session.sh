@@ -17,7 +17,9 @@
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
 # latency at batch 8 and 32), gemv_rows (gemv_probe.py: the few-rows kernel against cuBLAS at 8 and 32 rows),
 # small_batch_leads (at SMALL_BATCHES, default "8 32": the default, scripts/kv_write_autotune.py,
-# FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
+# FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel),
+# decode_kernel (flex's decode tile options, DECODE_VARIANTS of scripts/decode_kernel_probe.py: the attention
+# table's decode rows, then bench latency at SMALL_BATCHES, for each), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
 # throughput, 4,096-token engines), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
@@ -175,6 +177,10 @@ for stage in ${*:-tests attention compare latency}; do
     one_row) model && i=0 && for parts in ${ONE_ROW_VARIANTS:-norm,silu,head norm,silu,head,o,down,prefetch norm,silu,head norm,silu,head,o,down,prefetch}; do i=$((i+1))
              step "latency_one_row_${i}_${parts//,/+}" 150 python3 scripts/one_row_parts.py ${parts/none/} -- \
                $(latency_4k 1); done ;;  # issue 16: batch 1 with and without layers/gemv.py
+    decode_kernel) model && for o in ${DECODE_VARIANTS:-none num_stages=3 num_stages=3,num_warps=4}; do  # flex's decode tiles
+             step "attention_decode_${o//,/+}" 120 python3 scripts/decode_kernel_probe.py "$o" -- attention --decode-only
+             for b in ${SMALL_BATCHES:-8 32}; do step "latency_b${b}_decode_${o//,/+}" 120 python3 \
+               scripts/decode_kernel_probe.py "$o" -- latency $(latency_4k "$b"); done; done ;;
     pdl) model && for b in ${PDL_BATCHES:-1 8 32}; do for v in off on; do  # FLEXENGINE_PDL off and on, batch by batch
              step "latency_pdl_b${b}_$v" 150 env FLEXENGINE_PDL=$v python3 -m flexengine.cli bench latency \
                $(latency_4k "$b"); done; done

@@ -263,7 +263,7 @@ def test_sampling_inputs_and_the_sampler_never_wait_for_the_device(async_schedul
 
 
 @settings(max_examples=200, deadline=None)
-@given(rows=st.integers(1, 40), chunk=st.sampled_from([1, 3, 7, 16]), parts=st.sampled_from([1, 16, 32, 256]),
+@given(rows=st.integers(1, 140), chunk=st.sampled_from([1, 3, 7, 16]), parts=st.sampled_from([1, 16, 32, 256]),
        values=st.lists(st.sampled_from([0.0, 1.0, 2.0, float("-inf"), float("inf"), float("nan")]), min_size=1,
                        max_size=4), seed=st.integers(0, 2 ** 16))
 def test_row_argmax_is_argmax_ties_and_nan_included(rows, chunk, parts, values, seed):

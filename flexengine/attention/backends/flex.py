@@ -202,6 +202,21 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False, fullgraph=True, options=pdl_options())
 
 
+# Tile options for flex's decode template, on top of its own. torch 2.11's heuristic gives sm90 a 64-wide KV tile,
+# one pipeline stage and two warps (it picks three stages for sm90, then overwrites them with the generic default:
+# torch/_inductor/template_heuristics/triton.py, get_flex_decode_configs), so each program waits on every tile's load.
+DECODE_OPTIONS: dict = {}
+
+
+def decode_kernel_options(P: int, splits: int) -> dict:
+    """flex's decode kernel_options for pages of P tokens and `splits` programs per row (its SPLIT_KV): the KV tile
+    must divide the page."""
+    options = {"SPLIT_KV": splits, **DECODE_OPTIONS}
+    if P < options.get("BLOCK_N", 128):
+        options["BLOCK_N"] = P
+    return options
+
+
 class FlexBackend:
     name = "flex"
 
@@ -367,8 +382,7 @@ class FlexBackend:
             return self.forward_dense(query, k, v, meta, mask_mod, score_mod, scale)
         flex = self.flex_fn()
         gqa = Hq != Hkv
-        # the decode kernel's kv tile must divide the page (default tiles can be 128 wide); its programs per row
-        opts = {"kernel_options": {"SPLIT_KV": lay.kernel_splits, **({"BLOCK_N": P} if P < 128 else {})}}
+        opts = {"kernel_options": decode_kernel_options(P, lay.kernel_splits)}
         if lay.decode_in_place:  # [T, Hq, 1, D] in, out: at S = 1 a gather and a scatter launch fewer per layer
             return flex(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
                         **opts)[:, :, 0]
