@@ -3,10 +3,11 @@
 
     python3 scripts/decode_kernel_probe.py num_stages=3,num_warps=4 -- latency --model DIR --batch-size 32 ...
     python3 scripts/decode_kernel_probe.py BLOCK_N=128,num_stages=2 -- attention --decode-only
-    python3 scripts/decode_kernel_probe.py none -- latency ...      # flex's own choice, as the engine runs today
+    python3 scripts/decode_kernel_probe.py none -- latency ...      # flex's own choice (the engine's before session 25)
 
 torch 2.11 gives sm90's decode template one pipeline stage, two warps and a 64-wide KV tile; the H100's batch-32
-profile (session 25) has that kernel at 20 µs a layer for ~300-token contexts, where batch 8 with four splits took 8.5.
+profile (session 25) had that kernel at 20 µs a layer for ~300-token contexts, where batch 8 with four splits took 8.5.
+The engine now asks for three stages there (flex.default_decode_options).
 """
 from __future__ import annotations
 

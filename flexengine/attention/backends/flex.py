@@ -202,16 +202,28 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False, fullgraph=True, options=pdl_options())
 
 
-# Tile options for flex's decode template, on top of its own. torch 2.11's heuristic gives sm90 a 64-wide KV tile,
-# one pipeline stage and two warps (it picks three stages for sm90, then overwrites them with the generic default:
-# torch/_inductor/template_heuristics/triton.py, get_flex_decode_configs), so each program waits on every tile's load.
-DECODE_OPTIONS: dict = {}
+# Tile options for flex's decode template, on top of its own; None: `default_decode_options`
+# (scripts/decode_kernel_probe.py sets others).
+DECODE_OPTIONS: dict | None = None
 
 
-def decode_kernel_options(P: int, splits: int) -> dict:
+@functools.cache
+def default_decode_options(device: torch.device) -> dict:
+    """Three pipeline stages on sm90 and sm100. torch 2.11's heuristic picks them there and then overwrites them with
+    its generic default (torch/_inductor/template_heuristics/triton.py, get_flex_decode_configs), so each program
+    waited on every KV tile's load. H100, session 25, same call: batch-32 decode 1.602 -> 1.529 ms a step; the
+    attention table's decode rows at 128-token pages 0.90x -> 0.98x SDPA-flash at 8x8192, 1.12x -> 1.06x at 64x2048,
+    and 2x faster at 16-token pages (8x8192: 241 -> 126 µs)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) in ((9, 0), (10, 0), (10, 3)):
+        return {"num_stages": 3}
+    return {}
+
+
+def decode_kernel_options(P: int, splits: int, device: torch.device) -> dict:
     """flex's decode kernel_options for pages of P tokens and `splits` programs per row (its SPLIT_KV): the KV tile
     must divide the page."""
-    options = {"SPLIT_KV": splits, **DECODE_OPTIONS}
+    tiles = DECODE_OPTIONS if DECODE_OPTIONS is not None else default_decode_options(device)
+    options = {"SPLIT_KV": splits, **tiles}
     if P < options.get("BLOCK_N", 128):
         options["BLOCK_N"] = P
     return options
@@ -382,7 +394,7 @@ class FlexBackend:
             return self.forward_dense(query, k, v, meta, mask_mod, score_mod, scale)
         flex = self.flex_fn()
         gqa = Hq != Hkv
-        opts = {"kernel_options": decode_kernel_options(P, lay.kernel_splits)}
+        opts = {"kernel_options": decode_kernel_options(P, lay.kernel_splits, query.device)}
         if lay.decode_in_place:  # [T, Hq, 1, D] in, out: at S = 1 a gather and a scatter launch fewer per layer
             return flex(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
                         **opts)[:, :, 0]
