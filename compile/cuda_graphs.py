@@ -23,6 +23,11 @@ from ..attention.staging import to_device
 from .policy import compile_count, compiled_on_first_use, decode_buckets, decode_regions
 
 
+# Decode buckets up to this batch run their regions' combo-kernel version (compile.decode_regions): batch 1 is
+# compiled on its own anyway (size 1 is specialised); a larger value adds one dynamic-shape compile of each region.
+COMBO_UP_TO = 1
+
+
 @dataclass(frozen=True)
 class GraphKey:
     batch: int
@@ -156,7 +161,7 @@ class DecodeGraphRunner:
 
     def step(self, bs: int) -> torch.Tensor:
         meta = self.static_meta(bs)
-        with decode_regions(bs == 1):  # batch 1: the bucket whose step is launch-bound
+        with decode_regions(bs <= COMBO_UP_TO):  # small batches: the buckets whose steps are launch-bound
             refresh_decode_metadata(meta, self.backend, self.mods)
             return self.forward_logits(self.bufs.input_ids[:bs], self.bufs.positions[:bs], meta)
 

@@ -1,9 +1,11 @@
-"""Issue 16 / 15: flex's decode kernel with other tile options (attention/backends/flex.py's DECODE_OPTIONS), in
-`flexengine bench latency` or the attention microbenchmark:
+"""Issues 16 / 15: the decode step with other tile options for flex's decode kernel (attention/backends/flex.py's
+DECODE_OPTIONS) or Inductor's combo kernels up to another batch (compile/cuda_graphs.py's COMBO_UP_TO), in
+`flexengine bench latency` / `bench throughput` or the attention microbenchmark:
 
     python3 scripts/decode_kernel_probe.py num_stages=3,num_warps=4 -- latency --model DIR --batch-size 32 ...
     python3 scripts/decode_kernel_probe.py BLOCK_N=128,num_stages=2 -- attention --decode-only
-    python3 scripts/decode_kernel_probe.py none -- latency ...      # flex's own choice (the engine's before session 25)
+    python3 scripts/decode_kernel_probe.py none -- throughput ...     # flex's own tiles (the engine's before session 25)
+    python3 scripts/decode_kernel_probe.py default,combo_up_to=32 -- latency ...  # the engine's tiles, combo to 32
 
 torch 2.11 gives sm90's decode template one pipeline stage, two warps and a 64-wide KV tile; the H100's batch-32
 profile (session 25) had that kernel at 20 µs a layer for ~300-token contexts, where batch 8 with four splits took 8.5.
@@ -16,35 +18,41 @@ import sys
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 
 
-def parse(text: str) -> dict:
-    options = {}
+def parse(text: str) -> tuple[dict | None, int]:
+    """→ (flex's decode tile options, None for the engine's default; COMBO_UP_TO)."""
+    options, combo_up_to = None, 1
     for item in filter(None, text.split(",")):
-        if item == "none":
-            continue
         key, _, value = item.partition("=")
-        if key not in KEYS or not value.isdigit():
-            raise SystemExit(f"bad option {item!r}: KEY=INT with KEY one of {KEYS}")
-        options[key] = int(value)
-    return options
+        if item in ("none", "default"):
+            options = {} if item == "none" else options
+        elif key == "combo_up_to" and value.isdigit():
+            combo_up_to = int(value)
+        elif key in KEYS and value.isdigit():
+            options = {**(options or {}), key: int(value)}
+        else:
+            raise SystemExit(f"bad option {item!r}: none, default, combo_up_to=INT or KEY=INT with KEY one of {KEYS}")
+    return options, combo_up_to
 
 
 def main() -> int:
     split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
-    options = parse(",".join(sys.argv[1:split]))
+    options, combo_up_to = parse(",".join(sys.argv[1:split]))
     what, *args = sys.argv[split + 1:] or ["latency"]
     from flexengine.attention.backends import flex
-    flex.DECODE_OPTIONS = options
-    print(f"# flex decode kernel options: {options or 'flex default'}", flush=True)
+    from flexengine.compile import cuda_graphs
+    flex.DECODE_OPTIONS, cuda_graphs.COMBO_UP_TO = options, combo_up_to
+    print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
+          f"combo kernels up to batch {combo_up_to}", flush=True)
     if what == "attention":
         import argparse
         from flexengine.benchmarks import attention
         parser = argparse.ArgumentParser()
         attention.add_arguments(parser)
         return attention.main(parser.parse_args(args))
-    if what != "latency":
-        raise SystemExit(f"run 'latency' or 'attention', not {what!r}")
+    if what not in ("latency", "throughput"):
+        raise SystemExit(f"run 'latency', 'throughput' or 'attention', not {what!r}")
     from flexengine.cli import main as cli
-    return cli(["bench", "latency", *args])
+    return cli(["bench", what, *args])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@
 # small_batch_leads (at SMALL_BATCHES, default "8 32": the default, scripts/kv_write_autotune.py,
 # FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel),
 # decode_kernel (flex's decode tile options, DECODE_VARIANTS of scripts/decode_kernel_probe.py: the attention
-# table's decode rows, then bench latency at SMALL_BATCHES, for each), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
+# table's decode rows, then bench latency at SMALL_BATCHES, for each), combo_batches (bench latency at SMALL_BATCHES
+# with combo kernels in the batch-1 graph only and up to batch 32), throughput_tiles (256^3 bench throughput per
+# THROUGHPUT_VARIANTS of decode_kernel_probe.py, default "none default": flex's own decode tiles, then the engine's), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
 # throughput, 4,096-token engines), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
@@ -181,6 +183,13 @@ for stage in ${*:-tests attention compare latency}; do
              step "attention_decode_${o//,/+}" 120 python3 scripts/decode_kernel_probe.py "$o" -- attention --decode-only
              for b in ${SMALL_BATCHES:-8 32}; do step "latency_b${b}_decode_${o//,/+}" 120 python3 \
                scripts/decode_kernel_probe.py "$o" -- latency $(latency_4k "$b"); done; done ;;
+    combo_batches) model && for b in ${SMALL_BATCHES:-8 32}; do for o in default default,combo_up_to=32; do
+             step "latency_b${b}_${o//,/+}" 120 python3 scripts/decode_kernel_probe.py "$o" -- latency \
+               $(latency_4k "$b"); done; done ;;
+    throughput_tiles) model && for o in ${THROUGHPUT_VARIANTS:-none default}; do  # 256^3, 4,096-token engines
+             step "throughput_${o//,/+}" 200 python3 scripts/decode_kernel_probe.py "$o" -- throughput --model \
+               "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --num-prompts 256 --input-len 256 --output-len 256
+           done ;;
     pdl) model && for b in ${PDL_BATCHES:-1 8 32}; do for v in off on; do  # FLEXENGINE_PDL off and on, batch by batch
              step "latency_pdl_b${b}_$v" 150 env FLEXENGINE_PDL=$v python3 -m flexengine.cli bench latency \
                $(latency_4k "$b"); done; done
