@@ -6,6 +6,7 @@ DECODE_OPTIONS) or Inductor's combo kernels up to another batch (compile/cuda_gr
     python3 scripts/decode_kernel_probe.py BLOCK_N=128,num_stages=2 -- attention --decode-only
     python3 scripts/decode_kernel_probe.py none -- throughput ...     # flex's own tiles (the engine's before session 25)
     python3 scripts/decode_kernel_probe.py default,combo_up_to=32 -- latency ...  # the engine's tiles, combo to 32
+    python3 scripts/decode_kernel_probe.py programs_per_sm=8,split_kv=kernel -- latency ...  # more split-KV programs
 
 torch 2.11 gives sm90's decode template one pipeline stage, two warps and a 64-wide KV tile; the H100's batch-32
 profile (session 25) had that kernel at 20 µs a layer for ~300-token contexts, where batch 8 with four splits took 8.5.
@@ -13,36 +14,46 @@ The engine now asks for three stages there (flex.default_decode_options).
 """
 from __future__ import annotations
 
+import os
 import sys
 
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 
 
-def parse(text: str) -> tuple[dict | None, int]:
-    """→ (flex's decode tile options, None for the engine's default; COMBO_UP_TO)."""
-    options, combo_up_to = None, 1
+ENGINE_KEYS = ("combo_up_to", "programs_per_sm")
+
+
+def parse(text: str) -> tuple[dict | None, dict]:
+    """→ (flex's decode tile options, None for the engine's default; {combo_up_to, programs_per_sm})."""
+    options, engine = None, {"combo_up_to": 1, "programs_per_sm": 2}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if item in ("none", "default"):
             options = {} if item == "none" else options
-        elif key == "combo_up_to" and value.isdigit():
-            combo_up_to = int(value)
+        elif key in ENGINE_KEYS and value.isdigit():
+            engine[key] = int(value)
+        elif key == "split_kv" and value in ("auto", "kernel", "rows"):
+            os.environ["FLEXENGINE_SPLIT_KV"] = value  # (read at every layout plan)
         elif key in KEYS and value.isdigit():
             options = {**(options or {}), key: int(value)}
         else:
-            raise SystemExit(f"bad option {item!r}: none, default, combo_up_to=INT or KEY=INT with KEY one of {KEYS}")
-    return options, combo_up_to
+            raise SystemExit(f"bad option {item!r}: none, default, split_kv=auto|kernel|rows, KEY=INT with KEY one "
+                             f"of {KEYS + ENGINE_KEYS}")
+    return options, engine
 
 
 def main() -> int:
     split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
-    options, combo_up_to = parse(",".join(sys.argv[1:split]))
+    options, engine = parse(",".join(sys.argv[1:split]))
     what, *args = sys.argv[split + 1:] or ["latency"]
+    from flexengine.attention import layout
     from flexengine.attention.backends import flex
     from flexengine.compile import cuda_graphs
-    flex.DECODE_OPTIONS, cuda_graphs.COMBO_UP_TO = options, combo_up_to
+    flex.DECODE_OPTIONS, cuda_graphs.COMBO_UP_TO = options, engine["combo_up_to"]
+    layout.DECODE_PROGRAMS_PER_SM = engine["programs_per_sm"]
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
-          f"combo kernels up to batch {combo_up_to}", flush=True)
+          f"combo kernels up to batch {engine['combo_up_to']}; {engine['programs_per_sm']} split-KV programs per SM",
+          flush=True)
     if what == "attention":
         import argparse
         from flexengine.benchmarks import attention

@@ -19,8 +19,9 @@
 # small_batch_leads (at SMALL_BATCHES, default "8 32": the default, scripts/kv_write_autotune.py,
 # FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel),
 # decode_kernel (flex's decode tile options, DECODE_VARIANTS of scripts/decode_kernel_probe.py: the attention
-# table's decode rows, then bench latency at SMALL_BATCHES, for each), combo_batches (bench latency at SMALL_BATCHES
-# with combo kernels in the batch-1 graph only and up to batch 32), throughput_tiles (256^3 bench throughput per
+# table's decode rows, then bench latency at SMALL_BATCHES, for each), decode_variants (bench latency at SMALL_BATCHES
+# for each of DECODE_STEP_VARIANTS, decode_kernel_probe.py's option lists; default "default default,combo_up_to=32": combo
+# kernels in the batch-1 graph only, then up to batch 32), throughput_tiles (256^3 bench throughput per
 # THROUGHPUT_VARIANTS of decode_kernel_probe.py, default "none default": flex's own decode tiles, then the engine's), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
 # throughput, 4,096-token engines), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
@@ -183,7 +184,7 @@ for stage in ${*:-tests attention compare latency}; do
              step "attention_decode_${o//,/+}" 120 python3 scripts/decode_kernel_probe.py "$o" -- attention --decode-only
              for b in ${SMALL_BATCHES:-8 32}; do step "latency_b${b}_decode_${o//,/+}" 120 python3 \
                scripts/decode_kernel_probe.py "$o" -- latency $(latency_4k "$b"); done; done ;;
-    combo_batches) model && for b in ${SMALL_BATCHES:-8 32}; do for o in default default,combo_up_to=32; do
+    decode_variants) model && for b in ${SMALL_BATCHES:-8 32}; do for o in ${DECODE_STEP_VARIANTS:-default default,combo_up_to=32}; do
              step "latency_b${b}_${o//,/+}" 120 python3 scripts/decode_kernel_probe.py "$o" -- latency \
                $(latency_4k "$b"); done; done ;;
     throughput_tiles) model && for o in ${THROUGHPUT_VARIANTS:-none default}; do  # 256^3, 4,096-token engines
