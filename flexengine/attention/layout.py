@@ -99,7 +99,8 @@ DECODE_PROGRAMS_PER_SM = 2  # (split, kv-head) programs a decode step aims for p
 
 def choose_decode_splits(num_decode: int, num_kv_heads: int, device) -> int:
     """Enough splits of each decode request's pages to give every SM about DECODE_PROGRAMS_PER_SM (split, kv-head)
-    programs; 1 at large batch. plan_layout makes them rows of the flex call or the kernel's own programs (FLEXENGINE_SPLIT_KV).
+    programs; 1 at large batch. plan_layout makes them rows of the flex call or the kernel's own programs
+    (FLEXENGINE_SPLIT_KV).
 
     Always 1 off CUDA: merging splits needs the kernel's log-sum-exp, which CPU Inductor lacks.
     FLEXENGINE_DECODE_SPLITS caps it (every rank of tensor parallelism reads the same environment).
@@ -107,8 +108,8 @@ def choose_decode_splits(num_decode: int, num_kv_heads: int, device) -> int:
     device = torch.device(device)
     if device.type != "cuda" or num_decode == 0:
         return 1
-    per_sm = DECODE_PROGRAMS_PER_SM
-    return max(1, min(env_decode_splits() or 32, (per_sm * _num_sms(device)) // (num_decode * num_kv_heads)))
+    programs = DECODE_PROGRAMS_PER_SM * _num_sms(device)
+    return max(1, min(env_decode_splits() or 32, programs // (num_decode * num_kv_heads)))
 
 
 def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int = 0,
