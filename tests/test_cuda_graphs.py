@@ -354,17 +354,22 @@ def test_compiled_layer_regions_match_eager(num_tokens):
     assert shapes and all(s.split(",")[0].strip() == shapes[0].split(",")[0].strip() for s in shapes), shapes
 
 
+def first_layer_and_inputs(num_tokens: int):
+    """The tiny model's first decoder layer, its attention, and inputs for its first region: x, cos, sin."""
+    model = LLM(num_kv_blocks=16, enforce_eager=True).llm_engine.runner.model
+    layer = model.model.layers[0]
+    x = torch.randn(num_tokens, model.spec.hidden_size)
+    cos, sin = model.model.rotary[model.model.rope_key[layer.layer_type]](torch.arange(num_tokens), x.dtype)
+    return layer, layer.self_attn.attn, x, cos, sin
+
+
 def test_a_region_compiled_on_the_sizing_steps_cache_serves_the_real_one(gpu_shaped_engines):
     """The KV-sizing step runs under inference_mode on a scratch cache; the engine's own cache is made outside
     it. Dynamo guards on a tensor's dispatch keys, so the two must be the same kind of tensor, or every layer
     region that writes the cache is compiled again for the real one."""
     from flexengine.attention.kv_cache import allocate_kv_cache
     from flexengine.compile import set_fused_elementwise
-    model = LLM(num_kv_blocks=16, enforce_eager=True).llm_engine.runner.model
-    layer, spec = model.model.layers[0], model.spec
-    attn = layer.self_attn.attn
-    x = torch.randn(3, spec.hidden_size)
-    cos, sin = model.model.rotary[model.model.rope_key[layer.layer_type]](torch.arange(3), x.dtype)
+    layer, attn, x, cos, sin = first_layer_and_inputs(3)
     slots = torch.tensor([0, 1, 2])
     cache = lambda: allocate_kv_cache(1, 4, 16, attn.num_kv_heads, attn.head_dim, x.dtype, "cpu")[0]  # noqa: E731
     set_fused_elementwise(True)
@@ -387,11 +392,7 @@ def test_the_kv_writing_region_compiles_the_page_shape_as_constants():
     from flexengine.attention.kv_cache import allocate_kv_cache
     from flexengine.compile import reset_fused, set_fused_elementwise
     reset_fused()
-    model = LLM(num_kv_blocks=16, enforce_eager=True).llm_engine.runner.model
-    layer, spec = model.model.layers[0], model.spec
-    attn = layer.self_attn.attn
-    x = torch.randn(3, spec.hidden_size)
-    cos, sin = model.model.rotary[model.model.rope_key[layer.layer_type]](torch.arange(3), x.dtype)
+    layer, attn, x, cos, sin = first_layer_and_inputs(3)
     slots = torch.tensor([0, 9, 17])
     counts = []
     set_fused_elementwise(True)
