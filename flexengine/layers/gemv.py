@@ -48,7 +48,15 @@ FEW_ROWS = 0
 # q/k/v's one-row kernel with rotary and the K/V store as its epilogue (norm_gemv_rope) where a layer allows it
 # (scripts/one_row_parts.py's "rope" part)
 ROPE_EPILOGUE = True
-ROWS_BLOCK_N, ROWS_BLOCK_K, ROWS_WARPS = 16, 256, 4  # a first guess, not yet tuned on a GPU
+ROWS_WARPS = 4
+
+
+def rows_tiles(N: int) -> tuple[int, int]:
+    """rows_kernel's (BLOCK_N, BLOCK_K) for an N-wide weight: the best of scripts/gemv_probe.py's configurations at 8
+    and 32 rows of the 1B shapes on the H100 (session 25, call 1; 16 x 256 everywhere had the engine's batch 8 at
+    1.954 ms a step against cuBLAS's 1.580): 64 x 128 from 16,384 outputs (gate/up, the LM head), 32 x 256 from
+    3,072 (q/k/v), else 16 x 256 (o, down)."""
+    return (64, 128) if N >= 16384 else (32, 256) if N >= 3072 else (16, 256)
 
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:
@@ -116,9 +124,10 @@ def _launch_rows(x, w, out_dtype: torch.dtype | None = None):
     assert 1 < M <= 64 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
     pdl = PDL and _pdl_capable(x.device)
     out = x.new_empty(M, N, dtype=out_dtype or x.dtype)
-    _rows_kernel()[(-(-N // ROWS_BLOCK_N),)](
+    block_n, block_k = rows_tiles(N)
+    _rows_kernel()[(-(-N // block_n),)](
         x, w, out, M, N, K, USE_PDL=pdl, PREFETCH=min(PREFETCH, 1), M_PAD=max(16, 1 << (M - 1).bit_length()),
-        BLOCK_N=ROWS_BLOCK_N, BLOCK_K=ROWS_BLOCK_K, num_warps=ROWS_WARPS, **({"launch_pdl": True} if pdl else {}))
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=ROWS_WARPS, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
