@@ -1,5 +1,6 @@
 """Issues 16 / 15: the decode step with other tile options for flex's decode kernel (attention/backends/flex.py's
-DECODE_OPTIONS) or Inductor's combo kernels up to another batch (compile/cuda_graphs.py's COMBO_UP_TO), in
+DECODE_OPTIONS), Inductor's combo kernels up to another batch (compile/cuda_graphs.py's COMBO_UP_TO), another split-KV
+target (attention/layout.py's DECODE_PROGRAMS_PER_SM) or the few-rows GEMV (layers/gemv.py's FEW_ROWS), in
 `flexengine bench latency` / `bench throughput` or the attention microbenchmark:
 
     python3 scripts/decode_kernel_probe.py num_stages=3,num_warps=4 -- latency --model DIR --batch-size 32 ...
@@ -7,6 +8,7 @@ DECODE_OPTIONS) or Inductor's combo kernels up to another batch (compile/cuda_gr
     python3 scripts/decode_kernel_probe.py none -- throughput ...     # flex's own tiles (the engine's before session 25)
     python3 scripts/decode_kernel_probe.py default,combo_up_to=32 -- latency ...  # the engine's tiles, combo to 32
     python3 scripts/decode_kernel_probe.py programs_per_sm=8,split_kv=kernel -- latency ...  # more split-KV programs
+    python3 scripts/decode_kernel_probe.py few_rows=32 -- latency ...  # layers/gemv.py's rows_kernel for 2-32 rows
 
 torch 2.11 gives sm90's decode template one pipeline stage, two warps and a 64-wide KV tile; the H100's batch-32
 profile (session 25) had that kernel at 20 µs a layer for ~300-token contexts, where batch 8 with four splits took 8.5.
@@ -20,12 +22,12 @@ import sys
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 
 
-ENGINE_KEYS = ("combo_up_to", "programs_per_sm")
+ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
-    """→ (flex's decode tile options, None for the engine's default; {combo_up_to, programs_per_sm})."""
-    options, engine = None, {"combo_up_to": 1, "programs_per_sm": 2}
+    """→ (flex's decode tile options, None for the engine's default; {combo_up_to, programs_per_sm, few_rows})."""
+    options, engine = None, {"combo_up_to": 1, "programs_per_sm": 2, "few_rows": 0}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if item in ("none", "default"):
@@ -49,11 +51,12 @@ def main() -> int:
     from flexengine.attention import layout
     from flexengine.attention.backends import flex
     from flexengine.compile import cuda_graphs
+    from flexengine.layers import gemv
     flex.DECODE_OPTIONS, cuda_graphs.COMBO_UP_TO = options, engine["combo_up_to"]
-    layout.DECODE_PROGRAMS_PER_SM = engine["programs_per_sm"]
+    layout.DECODE_PROGRAMS_PER_SM, gemv.FEW_ROWS = engine["programs_per_sm"], engine["few_rows"]
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
-          f"combo kernels up to batch {engine['combo_up_to']}; {engine['programs_per_sm']} split-KV programs per SM",
-          flush=True)
+          f"combo kernels up to batch {engine['combo_up_to']}; {engine['programs_per_sm']} split-KV programs per SM; "
+          f"few-rows GEMV up to {engine['few_rows']} rows", flush=True)
     if what == "attention":
         import argparse
         from flexengine.benchmarks import attention
