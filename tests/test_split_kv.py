@@ -90,21 +90,21 @@ def test_rows_of_padding_requests_are_dropped(device, splits):
 
 def test_decode_kernel_options_keep_the_kv_tile_inside_a_page(monkeypatch):
     """flex's decode kernel gets the split count, and a KV tile no wider than a page, whatever tiles are asked for;
-    three pipeline stages only where torch meant them (sm90/sm100), never off CUDA."""
+    three pipeline stages only where torch meant them (sm90/sm100, not float32 heads over 128), never off CUDA."""
     from flexengine.attention.backends import flex
-    cpu = torch.device("cpu")
-    assert flex.decode_kernel_options(128, 1, cpu) == {"SPLIT_KV": 1}  # flex's own 64-wide tile
-    assert flex.decode_kernel_options(16, 4, cpu) == {"SPLIT_KV": 4, "BLOCK_N": 16}
+    q = torch.empty(2, 4, 64)
+    assert flex.decode_kernel_options(128, 1, q) == {"SPLIT_KV": 1}  # flex's own 64-wide tile
+    assert flex.decode_kernel_options(16, 4, q) == {"SPLIT_KV": 4, "BLOCK_N": 16}
     monkeypatch.setattr(flex, "DECODE_OPTIONS", {"BLOCK_N": 128, "num_stages": 2})
-    assert flex.decode_kernel_options(64, 2, cpu) == {"SPLIT_KV": 2, "BLOCK_N": 64, "num_stages": 2}
-    assert flex.decode_kernel_options(256, 2, cpu) == {"SPLIT_KV": 2, "BLOCK_N": 128, "num_stages": 2}
+    assert flex.decode_kernel_options(64, 2, q) == {"SPLIT_KV": 2, "BLOCK_N": 64, "num_stages": 2}
+    assert flex.decode_kernel_options(256, 2, q) == {"SPLIT_KV": 2, "BLOCK_N": 128, "num_stages": 2}
     monkeypatch.setattr(flex, "DECODE_OPTIONS", None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    for capability, head_dim, dtype, stages in (((9, 0), 128, torch.bfloat16, 3), ((9, 0), 256, torch.bfloat16, 3),
+                                                ((9, 0), 128, torch.float32, 3), ((9, 0), 256, torch.float32, None),
+                                                ((10, 0), 64, torch.float16, 3), ((8, 0), 128, torch.bfloat16, None)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        flex.default_decode_options.cache_clear()
+        got = flex.default_decode_options(cuda, head_dim, dtype)
+        assert got == ({"num_stages": stages} if stages else {}), (capability, head_dim, dtype)
     flex.default_decode_options.cache_clear()
-    try:
-        assert flex.decode_kernel_options(128, 1, torch.device("cuda", 0)) == {"SPLIT_KV": 1, "num_stages": 3}
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-        flex.default_decode_options.cache_clear()
-        assert flex.decode_kernel_options(128, 1, torch.device("cuda", 0)) == {"SPLIT_KV": 1}
-    finally:
-        flex.default_decode_options.cache_clear()

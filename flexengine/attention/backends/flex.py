@@ -208,21 +208,23 @@ DECODE_OPTIONS: dict | None = None
 
 
 @functools.cache
-def default_decode_options(device: torch.device) -> dict:
-    """Three pipeline stages on sm90 and sm100. torch 2.11's heuristic picks them there and then overwrites them with
-    its generic default (torch/_inductor/template_heuristics/triton.py, get_flex_decode_configs), so each program
-    waited on every KV tile's load. H100, session 25, same call: batch-32 decode 1.602 -> 1.529 ms a step; the
-    attention table's decode rows at 128-token pages 0.90x -> 0.98x SDPA-flash at 8x8192, 1.12x -> 1.06x at 64x2048,
-    and 2x faster at 16-token pages (8x8192: 241 -> 126 µs)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) in ((9, 0), (10, 0), (10, 3)):
-        return {"num_stages": 3}
-    return {}
+def default_decode_options(device: torch.device, head_dim: int, dtype: torch.dtype) -> dict:
+    """Three pipeline stages on sm90 and sm100, as torch 2.11's heuristic picks them there (except for float32 heads
+    over 128, whose stages would not fit shared memory) before it overwrites them with its generic default
+    (torch/_inductor/template_heuristics/triton.py, get_flex_decode_configs), so that each program waited on every KV
+    tile's load. H100, session 25, same call: batch-32 decode 1.602 -> 1.529 ms a step; the attention table's decode
+    rows at 128-token pages 0.90x -> 0.98x SDPA-flash at 8x8192, 1.12x -> 1.06x at 64x2048, and 2x faster at 16-token
+    pages (8x8192: 241 -> 126 µs)."""
+    if device.type != "cuda" or (head_dim > 128 and dtype == torch.float32):
+        return {}
+    return {"num_stages": 3} if torch.cuda.get_device_capability(device) in ((9, 0), (10, 0), (10, 3)) else {}
 
 
-def decode_kernel_options(P: int, splits: int, device: torch.device) -> dict:
-    """flex's decode kernel_options for pages of P tokens and `splits` programs per row (its SPLIT_KV): the KV tile
-    must divide the page."""
-    tiles = DECODE_OPTIONS if DECODE_OPTIONS is not None else default_decode_options(device)
+def decode_kernel_options(P: int, splits: int, query: torch.Tensor) -> dict:
+    """flex's decode kernel_options for pages of P tokens and `splits` programs per row (its SPLIT_KV) for `query`'s
+    device, head size and dtype: the KV tile must divide the page."""
+    default = DECODE_OPTIONS is None
+    tiles = default_decode_options(query.device, query.shape[-1], query.dtype) if default else DECODE_OPTIONS
     options = {"SPLIT_KV": splits, **tiles}
     if P < options.get("BLOCK_N", 128):
         options["BLOCK_N"] = P
@@ -394,7 +396,7 @@ class FlexBackend:
             return self.forward_dense(query, k, v, meta, mask_mod, score_mod, scale)
         flex = self.flex_fn()
         gqa = Hq != Hkv
-        opts = {"kernel_options": decode_kernel_options(P, lay.kernel_splits, query.device)}
+        opts = {"kernel_options": decode_kernel_options(P, lay.kernel_splits, query)}
         if lay.decode_in_place:  # [T, Hq, 1, D] in, out: at S = 1 a gather and a scatter launch fewer per layer
             return flex(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
                         **opts)[:, :, 0]
