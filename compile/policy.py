@@ -172,7 +172,8 @@ def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False)
     if fn is None:
         return functools.partial(fused, writes_kv_cache=writes_kv_cache, static_vocab=static_vocab)
 
-    signature = inspect.signature(fn)
+    names = list(inspect.signature(fn).parameters)
+    caches = [(names.index(name), name) for name in ("k_cache", "v_cache")] if writes_kv_cache else []
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -180,11 +181,8 @@ def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False)
             return fn(*args, **kwargs)
         if static_vocab:
             torch._dynamo.mark_static(args[0], args[0].dim() - 1)
-        if writes_kv_cache:
-            bound = signature.bind(*args, **kwargs).arguments
-            for cache in (bound["k_cache"], bound["v_cache"]):
-                for d in range(1, cache.dim()):
-                    torch._dynamo.mark_static(cache, d)
+        for i, name in caches:
+            mark_page_shape_static(args[i] if i < len(args) else kwargs[name])
         combo = _FUSE["combo"]
         if combo not in wrapper.compiled:
             wrapper.compiled[combo] = compile_region(fn, combo, autotune_pointwise=not writes_kv_cache)
@@ -193,6 +191,15 @@ def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False)
     wrapper.eager, wrapper.compiled = fn, {}
     _FUSED.append(wrapper)
     return wrapper
+
+
+def mark_page_shape_static(cache: torch.Tensor) -> None:
+    """Mark a paged cache's dims past the page count static for dynamo, once per tensor (mark_static costs ~10 µs a
+    dim, and an eager step calls every layer's region)."""
+    if not getattr(cache, "_flexengine_static_pages", False):
+        for d in range(1, cache.dim()):
+            torch._dynamo.mark_static(cache, d)
+        cache._flexengine_static_pages = True
 
 
 def compiled_on_first_use(fn):
