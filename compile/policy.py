@@ -194,8 +194,8 @@ def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False)
 
 
 def mark_page_shape_static(cache: torch.Tensor) -> None:
-    """Mark a paged cache's dims past the page count static for dynamo, once per tensor (mark_static costs ~10 µs a
-    dim, and an eager step calls every layer's region)."""
+    """Mark a paged cache's dims past the page count static for dynamo, once per tensor: mark_static costs ~0.7 µs a
+    dimension, and an eager step calls every layer's region (~70 µs a step over 16 layers)."""
     if not getattr(cache, "_flexengine_static_pages", False):
         for d in range(1, cache.dim()):
             torch._dynamo.mark_static(cache, d)
