@@ -5,7 +5,7 @@ target (attention/layout.py's DECODE_PROGRAMS_PER_SM) or the few-rows GEMV (laye
 
     python3 scripts/decode_kernel_probe.py num_stages=3,num_warps=4 -- latency --model DIR --batch-size 32 ...
     python3 scripts/decode_kernel_probe.py BLOCK_N=128,num_stages=2 -- attention --decode-only
-    python3 scripts/decode_kernel_probe.py none -- throughput ...     # flex's own tiles (the engine's before session 25)
+    python3 scripts/decode_kernel_probe.py none -- throughput ...  # flex's own tiles (the engine's before session 25)
     python3 scripts/decode_kernel_probe.py default,combo_up_to=32 -- latency ...  # the engine's tiles, combo to 32
     python3 scripts/decode_kernel_probe.py programs_per_sm=8,split_kv=kernel -- latency ...  # more split-KV programs
     python3 scripts/decode_kernel_probe.py few_rows=32 -- latency ...  # layers/gemv.py's rows_kernel for 2-32 rows
