@@ -18,11 +18,11 @@
 # latency at batch 8 and 32), gemv_rows (gemv_probe.py: the few-rows kernel against cuBLAS at 8 and 32 rows),
 # small_batch_leads (at SMALL_BATCHES, default "8 32": the default, scripts/kv_write_autotune.py,
 # FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel),
-# decode_kernel (flex's decode tile options, DECODE_VARIANTS of scripts/decode_kernel_probe.py: the attention
+# decode_tiles (flex's decode tile options, DECODE_VARIANTS of scripts/decode_step_probe.py: the attention
 # table's decode rows, then bench latency at SMALL_BATCHES, for each), decode_variants (bench latency at SMALL_BATCHES
-# for each of DECODE_STEP_VARIANTS, decode_kernel_probe.py's option lists; default "default default,combo_up_to=32": combo
+# for each of DECODE_STEP_VARIANTS, decode_step_probe.py's option lists; default "default default,combo_up_to=32": combo
 # kernels in the batch-1 graph only, then up to batch 32), throughput_tiles (256^3 bench throughput per
-# THROUGHPUT_VARIANTS of decode_kernel_probe.py, default "none default": flex's own decode tiles, then the engine's), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
+# THROUGHPUT_VARIANTS of decode_step_probe.py, default "none default": flex's own decode tiles, then the engine's), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
 # throughput, 4,096-token engines), splits
 # (scripts/decode_splits_probe.py: batch 1 and 8 decode, split-KV as chosen against one split), fa4
 # (install the carried FlashAttention-4, smoke-test it, run the flash backend's GPU tests; later stages
@@ -180,15 +180,15 @@ for stage in ${*:-tests attention compare latency}; do
     one_row) model && i=0 && for parts in ${ONE_ROW_VARIANTS:-norm,silu,head norm,silu,head,o,down,prefetch norm,silu,head norm,silu,head,o,down,prefetch}; do i=$((i+1))
              step "latency_one_row_${i}_${parts//,/+}" 150 python3 scripts/one_row_parts.py ${parts/none/} -- \
                $(latency_4k 1); done ;;  # issue 16: batch 1 with and without layers/gemv.py
-    decode_kernel) model && for o in ${DECODE_VARIANTS:-none num_stages=3 num_stages=3,num_warps=4}; do  # flex's decode tiles
-             step "attention_decode_${o//,/+}" 120 python3 scripts/decode_kernel_probe.py "$o" -- attention --decode-only
+    decode_tiles) model && for o in ${DECODE_VARIANTS:-none num_stages=3 num_stages=3,num_warps=4}; do  # flex's decode tiles
+             step "attention_decode_${o//,/+}" 120 python3 scripts/decode_step_probe.py "$o" -- attention --decode-only
              for b in ${SMALL_BATCHES:-8 32}; do step "latency_b${b}_decode_${o//,/+}" 120 python3 \
-               scripts/decode_kernel_probe.py "$o" -- latency $(latency_4k "$b"); done; done ;;
+               scripts/decode_step_probe.py "$o" -- latency $(latency_4k "$b"); done; done ;;
     decode_variants) model && for b in ${SMALL_BATCHES:-8 32}; do for o in ${DECODE_STEP_VARIANTS:-default default,combo_up_to=32}; do
-             step "latency_b${b}_${o//,/+}" 120 python3 scripts/decode_kernel_probe.py "$o" -- latency \
+             step "latency_b${b}_${o//,/+}" 120 python3 scripts/decode_step_probe.py "$o" -- latency \
                $(latency_4k "$b"); done; done ;;
     throughput_tiles) model && for o in ${THROUGHPUT_VARIANTS:-none default}; do  # 256^3, 4,096-token engines
-             step "throughput_${o//,/+}" 200 python3 scripts/decode_kernel_probe.py "$o" -- throughput --model \
+             step "throughput_${o//,/+}" 200 python3 scripts/decode_step_probe.py "$o" -- throughput --model \
                "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --num-prompts 256 --input-len 256 --output-len 256
            done ;;
     pdl) model && for b in ${PDL_BATCHES:-1 8 32}; do for v in off on; do  # FLEXENGINE_PDL off and on, batch by batch

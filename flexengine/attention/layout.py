@@ -94,7 +94,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-DECODE_PROGRAMS_PER_SM = 2  # (split, kv-head) programs a decode step aims for per SM (scripts/decode_kernel_probe.py)
+DECODE_PROGRAMS_PER_SM = 2  # (split, kv-head) programs a decode step aims for per SM (scripts/decode_step_probe.py)
 
 
 def choose_decode_splits(num_decode: int, num_kv_heads: int, device) -> int:

@@ -203,7 +203,7 @@ def _compiled_flex():
 
 
 # Tile options for flex's decode template, on top of its own; None: `default_decode_options`
-# (scripts/decode_kernel_probe.py sets others).
+# (scripts/decode_step_probe.py sets others).
 DECODE_OPTIONS: dict | None = None
 
 

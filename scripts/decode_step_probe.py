@@ -1,0 +1,73 @@
+"""Issues 16 / 15: the decode step with other tile options for flex's decode kernel (attention/backends/flex.py's
+DECODE_OPTIONS), Inductor's combo kernels up to another batch (compile/cuda_graphs.py's COMBO_UP_TO), another split-KV
+target (attention/layout.py's DECODE_PROGRAMS_PER_SM) or the few-rows GEMV (layers/gemv.py's FEW_ROWS), in
+`flexengine bench latency` / `bench throughput` or the attention microbenchmark:
+
+    python3 scripts/decode_step_probe.py num_stages=3,num_warps=4 -- latency --model DIR --batch-size 32 ...
+    python3 scripts/decode_step_probe.py BLOCK_N=128,num_stages=2 -- attention --decode-only
+    python3 scripts/decode_step_probe.py none -- throughput ...  # flex's own tiles (the engine's before session 25)
+    python3 scripts/decode_step_probe.py default,combo_up_to=32 -- latency ...  # the engine's tiles, combo to 32
+    python3 scripts/decode_step_probe.py programs_per_sm=8,split_kv=kernel -- latency ...  # more split-KV programs
+    python3 scripts/decode_step_probe.py few_rows=32 -- latency ...  # layers/gemv.py's rows_kernel for 2-32 rows
+
+torch 2.11 gives sm90's decode template one pipeline stage, two warps and a 64-wide KV tile; the H100's batch-32
+profile (session 25) had that kernel at 20 µs a layer for ~300-token contexts, where batch 8 with four splits took 8.5.
+The engine now asks for three stages there (flex.default_decode_options).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+KEYS = ("BLOCK_N", "num_stages", "num_warps")
+
+
+ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows")
+
+
+def parse(text: str) -> tuple[dict | None, dict]:
+    """→ (flex's decode tile options, None for the engine's default; {combo_up_to, programs_per_sm, few_rows})."""
+    options, engine = None, {"combo_up_to": 1, "programs_per_sm": 2, "few_rows": 0}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if item in ("none", "default"):
+            options = {} if item == "none" else options
+        elif key in ENGINE_KEYS and value.isdigit():
+            engine[key] = int(value)
+        elif key == "split_kv" and value in ("auto", "kernel", "rows"):
+            os.environ["FLEXENGINE_SPLIT_KV"] = value  # (read at every layout plan)
+        elif key in KEYS and value.isdigit():
+            options = {**(options or {}), key: int(value)}
+        else:
+            raise SystemExit(f"bad option {item!r}: none, default, split_kv=auto|kernel|rows, KEY=INT with KEY one "
+                             f"of {KEYS + ENGINE_KEYS}")
+    return options, engine
+
+
+def main() -> int:
+    split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+    options, engine = parse(",".join(sys.argv[1:split]))
+    what, *args = sys.argv[split + 1:] or ["latency"]
+    from flexengine.attention import layout
+    from flexengine.attention.backends import flex
+    from flexengine.compile import cuda_graphs
+    from flexengine.layers import gemv
+    flex.DECODE_OPTIONS, cuda_graphs.COMBO_UP_TO = options, engine["combo_up_to"]
+    layout.DECODE_PROGRAMS_PER_SM, gemv.FEW_ROWS = engine["programs_per_sm"], engine["few_rows"]
+    print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
+          f"combo kernels up to batch {engine['combo_up_to']}; {engine['programs_per_sm']} split-KV programs per SM; "
+          f"few-rows GEMV up to {engine['few_rows']} rows", flush=True)
+    if what == "attention":
+        import argparse
+        from flexengine.benchmarks import attention
+        parser = argparse.ArgumentParser()
+        attention.add_arguments(parser)
+        return attention.main(parser.parse_args(args))
+    if what not in ("latency", "throughput"):
+        raise SystemExit(f"run 'latency', 'throughput' or 'attention', not {what!r}")
+    from flexengine.cli import main as cli
+    return cli(["bench", what, *args])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
