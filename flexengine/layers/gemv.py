@@ -13,8 +13,9 @@ computes its input itself:
 - `gemv`: w @ x: the LM head, whose logits it can store as float32 for the sampler (the values rounded to the
   model's dtype, as before; one conversion launch fewer), and the bias-free o and down projections
   (parallel/layers.py's RowParallelLinear). It also takes a few rows [M <= FEW_ROWS, K] (`rows_kernel`, the rows
-  padded to 16 or 32 for the tensor cores) for every plain projection; FEW_ROWS is 0, so off, until timed against
-  cuBLAS at batch 8 and 32 on the H100 (`scripts/gpu_session.sh small_batch_leads`).
+  padded to a power of two from 16 for the tensor cores) for every plain projection; FEW_ROWS is 0, so off: with one
+  tile shape for every projection it lost to cuBLAS in the engine (H100, session 25: batch 8 at 1.954 ms a step
+  against 1.580), and its per-width tiles (`rows_tiles`) are not yet timed there.
 
 Under programmatic dependent launch (FLEXENGINE_PDL, on by default) the kernel reads its first weight tile before
 waiting for the kernel before it (PREFETCH: no kernel writes the weights) and lets the next kernel launch before its
@@ -42,8 +43,8 @@ ENABLED = env_one_row_gemv()  # read once: compiled regions guard on this global
 PDL = env_pdl()  # programmatic dependent launch (config.env_pdl), as Inductor's kernels get it
 PREFETCH = 1  # weight tiles (0-2) read before PDL's wait for the kernel before (gemv_kernel; no gain without PDL)
 # Up to this many rows (past one), the plain projections (q/k/v and gate/up unfolded, o, down, the LM head) take
-# rows_kernel, which PDL overlaps as it does the one-row kernel; 0 (the default): cuBLAS, until measured on the H100
-# against it (issue 16's batch 8 and 32; scripts/one_row_parts.py's "rows" part)
+# rows_kernel, which PDL overlaps as it does the one-row kernel; 0 (the default): cuBLAS, which it has not yet beaten
+# (issue 16's batch 8 and 32; scripts/decode_step_probe.py few_rows=32)
 FEW_ROWS = 0
 # q/k/v's one-row kernel with rotary and the K/V store as its epilogue (norm_gemv_rope) where a layer allows it
 # (scripts/one_row_parts.py's "rope" part)
