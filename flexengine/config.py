@@ -55,14 +55,15 @@ def env_dist_backend() -> str:
 
 
 ALL_REDUCE_ENV = "FLEXENGINE_ALL_REDUCE"
-ALL_REDUCES = ("auto", "nccl", "one_shot")
+ALL_REDUCES = ("auto", "nccl", "one_shot", "torch_one_shot")
 
 
 def env_all_reduce() -> str:
     """How tensor parallelism sums the layers' partial outputs, from FLEXENGINE_ALL_REDUCE: auto (the default:
     one_shot where every pair of the group's GPUs has peer access, else NCCL), nccl, or one_shot (CUDA only:
     each rank reads the others' copy through symmetric memory in one kernel, for inputs up to
-    collectives.ONE_SHOT_MAX_BYTES; docs/parallelism.md has its measurements)."""
+    one_shot.TORCH_OP_MAX_BYTES: flexengine's kernel for decode's small sums, torch's op for the rest;
+    torch_one_shot: torch's op for all of them, as before session 26). docs/parallelism.md has the measurements."""
     return _env_choice(ALL_REDUCE_ENV, ALL_REDUCES)
 
 

@@ -33,7 +33,8 @@
 # /tmp/sampling_site, on the path of this run only), tp2, tp2_tests and tp2_speed (issue 23, on two GPUs: the llama-3.1-8b-shaped checkpoint in $MODEL8B_DIR; tp2:
 # scripts/tp_parity.py --speed (parity beside bf16's own noise, batch-1 ms/token, 256^3 tokens/s and decode profiles,
 # one engine per size, then TP=2 on NCCL's all-reduce and TP=2 with split-KV off (TP2_VARIANTS replaces these), ~450 s); tp2_tests: the two-GPU
-# tests (a call of their own); tp2_speed (the same numbers through `flexengine bench`): batch-1 latency and 256 x 256 x 256 throughput at TP=1
+# tests (a call of their own); tp2_probe: scripts/all_reduce_probe.py (one sum inside a CUDA graph: the one-shot
+# kernel, torch's op, NCCL) and the one-shot kernel's two-GPU test; tp2_speed (the same numbers through `flexengine bench`): batch-1 latency and 256 x 256 x 256 throughput at TP=1
 # and TP=2, then a profile of TP=2 decode steps with the all-reduces' share). The end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR. At the end
 # everything in $OUT is packed into $OUT/logs.tgz (the device tool brings back at most 8 files).
@@ -170,6 +171,8 @@ for stage in ${*:-tests attention compare latency}; do
            --json "$OUT/tp2_parity.json" ;;
            # parity and bf16's noise, then on the same engines batch 1, 256^3, profiles; then TP=2 with NCCL's
            # all-reduce instead of the one-shot sum (the default on peer-connected GPUs), and with split-KV off
+    tp2_probe) step all_reduce_probe 120 python3 scripts/all_reduce_probe.py  # one sum's cost: the kernel, torch's, NCCL
+           step one_shot_gpu_test 120 python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short tests/test_one_shot.py ;;
     tp2_tests) step tp2_gpu_tests 540 python3 -m pytest -m gpu -q -p no:randomly -rs --tb=short -o faulthandler_timeout=480 \
            --durations=5 tests/test_tensor_parallel.py ;;  # a hang dumps the test process's stacks before the cap
     tp2_speed) model8b && { for size in 1 2; do bench_tp latency "$size" --max-num-seqs 1 --batch-size 1 --input-len 128 \

@@ -280,32 +280,19 @@ def test_more_ranks_than_gpus_and_nccl_without_cuda_fail_before_any_process(tmp_
     assert not multiprocessing.active_children()
 
 
-def test_one_shot_all_reduce_is_chosen_by_size_and_refused_off_cuda(tmp_path_factory, monkeypatch):
-    """FLEXENGINE_ALL_REDUCE=one_shot: sums that fit the symmetric buffer (and share its dtype) take the one-shot
-    op, the rest NCCL; off CUDA it is a ValueError before any process; an unknown value names the choices."""
-    from flexengine.parallel import collectives
+@pytest.mark.parametrize("choice", ["one_shot", "torch_one_shot"])
+def test_one_shot_all_reduce_is_refused_off_cuda(choice, tmp_path_factory, monkeypatch):
+    """FLEXENGINE_ALL_REDUCE=one_shot (or torch_one_shot) off CUDA is a ValueError before any process; an unknown
+    value names the choices. (Which sums take which kernel: tests/test_one_shot.py.)"""
     _, path = checkpoint("llama", tmp_path_factory)
-    monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", "one_shot")
-    with pytest.raises(ValueError, match=r"FLEXENGINE_ALL_REDUCE=one_shot .* needs CUDA devices, but device='cpu'"):
+    monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", choice)
+    with pytest.raises(ValueError, match=rf"FLEXENGINE_ALL_REDUCE={choice} .* needs CUDA devices, but device='cpu'"):
         LLM(path, tensor_parallel_size=2, **ENGINE)
     monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", "custom")
-    with pytest.raises(ValueError, match=r"FLEXENGINE_ALL_REDUCE must be one of auto, nccl, one_shot, got 'custom'"):
+    with pytest.raises(ValueError, match=r"FLEXENGINE_ALL_REDUCE must be one of auto, nccl, one_shot, "
+                                         r"torch_one_shot, got 'custom'"):
         LLM(path, tensor_parallel_size=2, **ENGINE)
     assert not multiprocessing.active_children()
-    calls = []
-    # the op wants the symmetric buffer viewed in the input's shape (session 18's first GPU call failed on this)
-    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_copy", lambda buffer, x, op, name: calls.append(
-        (buffer.data_ptr(), tuple(buffer.shape), op, name)) or x * 2)
-    monkeypatch.setattr(collectives.dist, "all_reduce", lambda x, group: calls.append("nccl"))
-    buffer = torch.zeros(collectives.ONE_SHOT_MAX_BYTES // 2, dtype=torch.bfloat16)
-    monkeypatch.setattr(collectives, "_one_shot", (buffer, "tp"))
-    small = torch.ones(8, 4096, dtype=torch.bfloat16)
-    assert torch.equal(collectives.all_reduce(small, None), small * 2)
-    assert calls == [(buffer.data_ptr(), (8, 4096), "sum", "tp")]
-    calls.clear()
-    collectives.all_reduce(torch.ones(1025, 4096, dtype=torch.bfloat16), None)  # past 8 MiB
-    collectives.all_reduce(torch.ones(8, 4096), None)  # float32: not the buffer's dtype
-    assert calls == ["nccl", "nccl"]
 
 
 def test_auto_all_reduce_takes_one_shot_only_where_every_gpu_pair_has_peer_access(monkeypatch):
@@ -324,8 +311,9 @@ def test_auto_all_reduce_takes_one_shot_only_where_every_gpu_pair_has_peer_acces
     assert one_shot_or_nccl(2, 0, torch.device("cuda")) == "nccl"
     assert [one_shot_or_nccl(2, r, torch.device("cuda", 2 + r)) for r in (0, 1)] == ["nccl"] * 2
     assert one_shot_or_nccl(2, 1, torch.device("cuda", 1)) == "one_shot"
-    monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", "one_shot")
-    assert one_shot_or_nccl(2, 0, torch.device("cuda", 2)) == "one_shot"
+    for forced in ("one_shot", "torch_one_shot"):
+        monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", forced)
+        assert one_shot_or_nccl(2, 0, torch.device("cuda", 2)) == forced
     monkeypatch.setenv("FLEXENGINE_ALL_REDUCE", "nccl")
     assert one_shot_or_nccl(2, 0, torch.device("cuda", 0)) == "nccl"
 

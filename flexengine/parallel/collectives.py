@@ -3,8 +3,8 @@
 Eager calls use torch.distributed's in-place ops; inside a compiled region (torch.compile traces the
 layers on CUDA) the functional collectives, which Inductor schedules and a CUDA graph captures (an NCCL
 collective runs on the current stream, so graph capture records it like any kernel). With
-the one-shot sum (FLEXENGINE_ALL_REDUCE: by default wherever the GPUs reach each other's memory), small sums
-go through torch's symmetric memory instead.
+the one-shot sum (FLEXENGINE_ALL_REDUCE: by default wherever the GPUs reach each other's memory), sums up to
+8 MiB go through symmetric memory instead (parallel/one_shot.py).
 """
 from __future__ import annotations
 
@@ -14,37 +14,28 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..config import env_all_reduce
+from ..config import ALL_REDUCES, env_all_reduce
+from . import one_shot
 
 logger = logging.getLogger(__name__)
 
 
-# FLEXENGINE_ALL_REDUCE=one_shot: sums up to this size read every rank's copy in one kernel (no NCCL ring, no
-# multicast); larger ones stay on NCCL. 8 MiB is vLLM's bound for its symmetric-memory all-reduce at 2 ranks.
-ONE_SHOT_MAX_BYTES = 8 << 20
-_one_shot: tuple[torch.Tensor, str] | None = None  # (the symmetric buffer, the group's name) while enabled
-
-
-def enable_one_shot(group, dtype: torch.dtype, device: torch.device) -> None:
-    """Allocate and exchange the symmetric buffer (collective: every rank calls it at the same point)."""
-    global _one_shot
-    import torch.distributed._symmetric_memory as symm_mem
-    buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
-    symm_mem.rendezvous(buffer, group.group_name)
-    _one_shot = (buffer, group.group_name)
-
-
 def choose_all_reduce(tp, dtype: torch.dtype, device: torch.device) -> None:
     """FLEXENGINE_ALL_REDUCE on this rank's runner (launch.check_tensor_parallel has refused one_shot off CUDA).
-    Every rank decides alike (the same environment, the same GPUs), as enable_one_shot is collective."""
+    Every rank decides alike (the same environment, the same GPUs), as one_shot.enable is collective."""
     choice = one_shot_or_nccl(tp.size, tp.rank, device)
-    if choice == "one_shot":
-        enable_one_shot(tp.device, dtype, device)
+    if choice in ("one_shot", "torch_one_shot"):
+        one_shot.enable(tp.device, dtype, device, own=choice == "one_shot")
     if tp.is_driver and tp.size > 1 and device.type == "cuda":
-        logger.info("tensor parallelism sums up to %d MiB %s (FLEXENGINE_ALL_REDUCE=auto|nccl|one_shot)",
-                    ONE_SHOT_MAX_BYTES >> 20, "in one shot through symmetric memory" if choice == "one_shot"
-                    else "with NCCL: not every pair of the GPUs has peer access" if env_all_reduce() == "auto"
-                    else "with NCCL")
+        if choice == "nccl":
+            how = "with NCCL" + (": not every pair of the GPUs has peer access" if env_all_reduce() == "auto" else "")
+        elif choice == "one_shot":
+            own_kib = one_shot.MAX_PROGRAMS * one_shot.BLOCK * dtype.itemsize >> 10
+            how = f"in one shot through symmetric memory (flexengine's kernel up to {own_kib} KiB, torch's op above)"
+        else:
+            how = "in one shot through symmetric memory (torch's op)"
+        logger.info("tensor parallelism sums up to %d MiB %s (FLEXENGINE_ALL_REDUCE=%s)",
+                    one_shot.TORCH_OP_MAX_BYTES >> 20, how, "|".join(ALL_REDUCES))
 
 
 def one_shot_or_nccl(size: int, rank: int, device: torch.device) -> str:
@@ -54,7 +45,7 @@ def one_shot_or_nccl(size: int, rank: int, device: torch.device) -> str:
     choice = env_all_reduce()
     if size == 1 or device.type != "cuda" or choice == "nccl":
         return "nccl"
-    if choice == "one_shot":
+    if choice != "auto":
         return choice
     # rank 0's runner holds the engine's own device ("cuda", no index): the group made it the current one
     first = (device.index if device.index is not None else torch.cuda.current_device()) - rank
@@ -64,17 +55,13 @@ def one_shot_or_nccl(size: int, rank: int, device: torch.device) -> str:
 
 
 def disable_one_shot() -> None:
-    global _one_shot
-    _one_shot = None
+    one_shot.disable()
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the ranks."""
-    if _one_shot is not None and x.dtype == _one_shot[0].dtype and x.numel() <= _one_shot[0].numel():
-        buffer, name = _one_shot  # (the size is static in a compiled graph: the choice is made when it is traced)
-        # the op wants the symmetric buffer in x's own shape: it copies x there, then reads every rank's copy
-        return torch.ops.symm_mem.one_shot_all_reduce_copy(buffer[: x.numel()].view(x.shape), x.contiguous(),
-                                                           "sum", name)
+    if one_shot.takes(x):
+        return torch.ops.flexengine.one_shot_sum(x)
     if torch.compiler.is_compiling():
         return funcol.all_reduce(x, "sum", group)
     dist.all_reduce(x, group=group)

@@ -47,9 +47,9 @@ def check_tensor_parallel(config: EngineConfig, model_path: str) -> None:
                              f"{visible} {'is' if visible == 1 else 'are'} visible")
     elif backend == "nccl":
         raise ValueError(f"FLEXENGINE_DIST_BACKEND=nccl runs on CUDA devices, but device={config.device!r}")
-    if env_all_reduce() == "one_shot" and device.type != "cuda":
-        raise ValueError(f"FLEXENGINE_ALL_REDUCE=one_shot reads the other GPUs' memory: it needs CUDA devices, "
-                         f"but device={config.device!r} (unset it, or set it to nccl)")
+    if env_all_reduce() in ("one_shot", "torch_one_shot") and device.type != "cuda":
+        raise ValueError(f"FLEXENGINE_ALL_REDUCE={env_all_reduce()} reads the other GPUs' memory: it needs CUDA "
+                         f"devices, but device={config.device!r} (unset it, or set it to nccl)")
     from ..models.default_model import resolve_named_model
     from ..models.gguf import find_gguf
     gguf = find_gguf(resolve_named_model(model_path))
