@@ -132,7 +132,8 @@ def print_kernels(prof, steps: int, wall: float, what: str) -> None:
     kernels = [(device_us(e), e.count, e.key) for e in prof.key_averages() if device_us(e) > 0]
     busy = sum(k[0] for k in kernels) / steps
     # tensor parallelism's collectives: NCCL's, and the one-shot sum through symmetric memory
-    collective = sum(us for us, _, name in kernels if "nccl" in name.lower() or "one_shot_all_reduce" in name) / steps
+    collective = sum(us for us, _, name in kernels if "nccl" in name.lower() or "one_shot_all_reduce" in name
+                     or "one_shot_sum" in name) / steps
     print(f"# {what}: wall {wall:.0f} us per step, GPU busy {busy:.0f} us ({busy / wall:.0%}), "
           f"{sum(k[1] for k in kernels) / steps:.0f} kernels per step"
           + (f", all-reduces and gathers {collective:.0f} us ({collective / busy:.0%} of busy)" if collective else ""))
