@@ -95,12 +95,18 @@ def _pdl_capable(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def launches_with_pdl(device: torch.device) -> bool:
+    """Whether the engine's Triton kernels on `device` launch with programmatic dependent launch (FLEXENGINE_PDL and
+    a device that has it): the GEMVs here and parallel/one_shot.py's sum."""
+    return PDL and _pdl_capable(device)
+
+
 def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = False, gated: bool = False,
             out_dtype: torch.dtype | None = None, rope: tuple | None = None):
     """`rope`: (cos [D/2], sin [D/2], slot [1], k_cache, v_cache, query heads, KV heads): w is q/k/v's, and the
     kernel rotates q and k, stores k and v at the slot, and returns q alone (norm_gemv_rope)."""
     N, K = w.shape
-    pdl = PDL and _pdl_capable(x.device)
+    pdl = launches_with_pdl(x.device)
     N = N // 2 if gated else N
     assert x.shape[0] == 1 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
     dummy = x  # never read: HAS_A / HAS_B / the prologue / ROPE say which pointers are
@@ -123,7 +129,7 @@ def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = F
 def _launch_rows(x, w, out_dtype: torch.dtype | None = None):
     (M, K), N = x.shape, w.shape[0]
     assert 1 < M <= 64 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
-    pdl = PDL and _pdl_capable(x.device)
+    pdl = launches_with_pdl(x.device)
     out = x.new_empty(M, N, dtype=out_dtype or x.dtype)
     block_n, block_k = rows_tiles(N)
     _rows_kernel()[(-(-N // block_n),)](

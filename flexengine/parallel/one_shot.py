@@ -8,7 +8,7 @@ waits on the device for the kernel before it, which starts the next kernel's lau
 
 `one_shot_sum(x)` is one custom op that decides at run time, not in a compiled graph's guards: sums up to
 MAX_PROGRAMS * BLOCK elements take this kernel where it is enabled (FLEXENGINE_ALL_REDUCE=auto or one_shot), larger
-ones (and every one under torch_one_shot) torch's op on the buffer collectives.enable_one_shot allocated.
+ones (and every one under torch_one_shot) torch's op on its own symmetric buffer (both allocated by `enable`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.gemv import PDL, _pdl_capable
+from ..layers.gemv import launches_with_pdl
 
 BLOCK = 1024           # elements a program sums (8 per thread at 4 warps: 16 bytes of bf16)
 # sums up to 64 K elements (128 KiB of bf16: 16 rows of a 4096-wide model). On two H100s (scripts/all_reduce_probe.py,
@@ -111,7 +111,7 @@ def _kernel():
 def _launch(x: torch.Tensor) -> torch.Tensor:
     own = _own
     out = torch.empty_like(x)
-    pdl = PDL and _pdl_capable(x.device)
+    pdl = launches_with_pdl(x.device)
     _kernel()[(-(-x.numel() // BLOCK),)](
         x, out, own.handle.buffer_ptrs_dev, own.counts, x.numel(), FLAGS_BYTES=own.flags_bytes,
         SLOT=MAX_PROGRAMS * BLOCK, RANK=own.rank, WORLD=own.world, BLOCK=BLOCK, USE_PDL=pdl, num_warps=4,
