@@ -11,10 +11,11 @@ the sums, so a method's µs per sum is (its graph − none's) / sums. The projec
 from __future__ import annotations
 
 import argparse
-import socket
 
 import torch
 import torch.multiprocessing as mp
+
+from flexengine.parallel.launch import free_port
 
 
 def rank_main(rank: int, port: int, args, queue) -> None:
@@ -103,9 +104,7 @@ def main() -> None:
     assert torch.cuda.device_count() >= 2, "needs two GPUs"
     print(f"# {torch.cuda.device_count()} x {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     context = mp.get_context("spawn")
     queue = context.Queue()
     ranks = [context.Process(target=rank_main, args=(r, port, args, queue)) for r in range(2)]

@@ -20,14 +20,13 @@ import os
 import sys
 
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
-
-
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
-    """→ (flex's decode tile options, None for the engine's default; {combo_up_to, programs_per_sm, few_rows})."""
-    options, engine = None, {"combo_up_to": 1, "programs_per_sm": 2, "few_rows": 0}
+    """→ (flex's decode tile options, None for the engine's default; the engine knobs given, of combo_up_to,
+    programs_per_sm and few_rows: the others keep the modules' own values)."""
+    options, engine = None, {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if item in ("none", "default"):
@@ -52,11 +51,13 @@ def main() -> int:
     from flexengine.attention.backends import flex
     from flexengine.compile import cuda_graphs
     from flexengine.layers import gemv
-    flex.DECODE_OPTIONS, cuda_graphs.COMBO_UP_TO = options, engine["combo_up_to"]
-    layout.DECODE_PROGRAMS_PER_SM, gemv.FEW_ROWS = engine["programs_per_sm"], engine["few_rows"]
+    flex.DECODE_OPTIONS = options
+    cuda_graphs.COMBO_UP_TO = engine.get("combo_up_to", cuda_graphs.COMBO_UP_TO)
+    layout.DECODE_PROGRAMS_PER_SM = engine.get("programs_per_sm", layout.DECODE_PROGRAMS_PER_SM)
+    gemv.FEW_ROWS = engine.get("few_rows", gemv.FEW_ROWS)
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
-          f"combo kernels up to batch {engine['combo_up_to']}; {engine['programs_per_sm']} split-KV programs per SM; "
-          f"few-rows GEMV up to {engine['few_rows']} rows", flush=True)
+          f"combo kernels up to batch {cuda_graphs.COMBO_UP_TO}; {layout.DECODE_PROGRAMS_PER_SM} split-KV programs per "
+          f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows", flush=True)
     if what == "attention":
         import argparse
         from flexengine.benchmarks import attention

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexengine.parallel import collectives, one_shot
+from flexengine.parallel.launch import free_port
 
 pytest.importorskip("triton")
 
@@ -57,7 +58,10 @@ def test_the_kernel_sums_every_ranks_copy_under_the_interpreter(sizes, world, se
         for p in ranks:
             p.start()
     finally:
-        os.environ.pop("TRITON_INTERPRET") if saved is None else os.environ.__setitem__("TRITON_INTERPRET", saved)
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
     results = dict((rank, (outs, counts)) for rank, outs, counts in (queue.get(timeout=300) for _ in ranks))
     for p in ranks:
         p.join(timeout=60)
@@ -179,10 +183,7 @@ def two_gpu_sums(rank: int, port: int) -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (issue 23's nvidia-h200-x2)")
 def test_the_kernel_on_two_gpus_equals_the_sum_of_the_gathered_copies():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     ranks = [context.Process(target=two_gpu_rank, args=(r, port, queue)) for r in range(2)]

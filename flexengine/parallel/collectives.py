@@ -54,10 +54,6 @@ def one_shot_or_nccl(size: int, rank: int, device: torch.device) -> str:
     return "one_shot" if reachable else "nccl"
 
 
-def disable_one_shot() -> None:
-    one_shot.disable()
-
-
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the ranks."""
     if one_shot.takes(x):

@@ -96,8 +96,8 @@ def destroy_tensor_parallel(peer_died: bool = False, timeout_s: float = 30.0) ->
     a destroy would wait for it forever, so NCCL aborts instead. Either runs on a thread: a wedged NCCL is
     left behind with a warning after `timeout_s` rather than hanging the process."""
     global _current
-    from .collectives import disable_one_shot
-    disable_one_shot()  # its symmetric buffer belongs to the group
+    from . import one_shot
+    one_shot.disable()  # its symmetric buffers belong to the group
     if not dist.is_initialized():
         _current = SINGLE
         return
