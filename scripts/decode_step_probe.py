@@ -9,6 +9,7 @@ target (attention/layout.py's DECODE_PROGRAMS_PER_SM) or the few-rows GEMV (laye
     python3 scripts/decode_step_probe.py default,combo_up_to=32 -- latency ...  # the engine's tiles, combo to 32
     python3 scripts/decode_step_probe.py programs_per_sm=8,split_kv=kernel -- latency ...  # more split-KV programs
     python3 scripts/decode_step_probe.py few_rows=32 -- latency ...  # layers/gemv.py's rows_kernel for 2-32 rows
+    python3 scripts/decode_step_probe.py default,blas=cublaslt -- latency ...  # torch's GEMMs through cuBLASLt
 
 torch 2.11 gives sm90's decode template one pipeline stage, two warps and a 64-wide KV tile; the H100's batch-32
 profile (session 25) had that kernel at 20 µs a layer for ~300-token contexts, where batch 8 with four splits took 8.5.
@@ -35,11 +36,14 @@ def parse(text: str) -> tuple[dict | None, dict]:
             engine[key] = int(value)
         elif key == "split_kv" and value in ("auto", "kernel", "rows"):
             os.environ["FLEXENGINE_SPLIT_KV"] = value  # (read at every layout plan)
+        elif key == "blas" and value in ("cublas", "cublaslt"):
+            engine[key] = value  # torch.backends.cuda.preferred_blas_library: cuBLASLt may pick GEMMs without
+            # cuBLAS's separate split-K reduction kernel (30 µs of batch 32's step, session 25's profile)
         elif key in KEYS and value.isdigit():
             options = {**(options or {}), key: int(value)}
         else:
             raise SystemExit(f"bad option {item!r}: none, default, split_kv=auto|kernel|rows, KEY=INT with KEY one "
-                             f"of {KEYS + ENGINE_KEYS}")
+                             f"of {KEYS + ENGINE_KEYS}, blas=cublas|cublaslt")
     return options, engine
 
 
@@ -55,9 +59,12 @@ def main() -> int:
     cuda_graphs.COMBO_UP_TO = engine.get("combo_up_to", cuda_graphs.COMBO_UP_TO)
     layout.DECODE_PROGRAMS_PER_SM = engine.get("programs_per_sm", layout.DECODE_PROGRAMS_PER_SM)
     gemv.FEW_ROWS = engine.get("few_rows", gemv.FEW_ROWS)
+    if "blas" in engine:
+        import torch
+        torch.backends.cuda.preferred_blas_library(engine["blas"])
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
           f"combo kernels up to batch {cuda_graphs.COMBO_UP_TO}; {layout.DECODE_PROGRAMS_PER_SM} split-KV programs per "
-          f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows", flush=True)
+          f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; BLAS {engine.get('blas', 'torch default')}", flush=True)
     if what == "attention":
         import argparse
         from flexengine.benchmarks import attention
