@@ -5,17 +5,16 @@ of host time for 6 ms of GPU work when one 256-token prompt joins 32 decoding re
 (docs/benchmarks.md). Every decoding request waits for that step, so it set the server's TPOT.
 
 A graph's shapes are fixed by the step's layout buckets (decode rows, their split-KV count, prefill
-tiles and segments): the tokens are padded to `num_tiles * Q_TILE` (pack_step already does), padded
-tokens write their K/V to the scratch slot, and the page lists and BlockMasks are built on the device
-inside the graph from static buffers, as in the decode graphs. The host packs the step into one array and copies it in, with
-the block tables beside it.
+tiles and segments): the tokens are padded to `num_tiles * Q_TILE`, padded tokens write their K/V to the
+scratch slot. The host sends only each request's query and sequence lengths, the ids and the block tables;
+the layout, positions and slots (attention/device_plan.py), the page lists and the BlockMasks are built on
+the device inside the graph, as in the decode graphs.
 The engine captures every key at start-up (compile/warmup.capture_mixed_graphs); a key met later
 anyway is captured then (that step runs the same code eagerly and uses its result). Steps with more
 than `max_tiles` prefill tiles run without a graph: their launches are spread over many tokens.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -23,10 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..attention.device_plan import PlanCapacity, key_views, plan_on_device
 from ..attention.metadata import LAYOUT_FIELDS, metadata_on_device
-from ..attention.layout import KV_TILE, Q_TILE, StepLayout
+from ..attention.layout import KV_TILE, Q_TILE, StepLayout, choose_decode_splits, segment_capacity
 from ..attention.staging import copy_into
 from .cuda_graphs import graph_capture
+from .policy import compiled_on_first_use, decode_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -66,100 +67,96 @@ class MixedKey:
         """Token capacity: whole tiles, decode tokens included."""
         return self.num_tiles * Q_TILE
 
-    def field_sizes(self) -> dict[str, int]:
-        """Length of each layout array for this key (layout.plan_layout's padding)."""
-        rows = self.num_decode * self.splits
-        spans, prefill = rows + self.num_segments, self.num_tokens
-        return {"decode_req": rows, "span_req": spans, "span_q_lo": spans, "span_q_hi": spans, "span_valid": spans,
-                "span_split": spans, "span_kv0": spans, "seg_tile": self.num_segments, "tile_single": self.num_tiles,
-                "prefill_req": prefill, "prefill_pos": prefill, "prefill_kv0": prefill, "decode_src": rows,
-                "decode_dst": self.num_decode, "ws_req": self.workspace_pages, "ws_page": self.workspace_pages}
+    def layout(self) -> StepLayout:
+        """The key's counts, which are all the backend reads of a layout (the arrays are the device plan's)."""
+        empty = np.zeros(0, np.int64)
+        return StepLayout(query_lens=[], seq_lens=[], num_tokens=self.num_tokens, num_decode=self.num_decode,
+                          decode_splits=self.splits, num_tiles=self.num_tiles, num_segments=self.num_segments,
+                          kernel_splits=self.kernel_splits, **dict.fromkeys(LAYOUT_ARRAYS, empty))
 
 
-class MixedBuffers:
-    """One key's static inputs: a packed int64 buffer (ids, positions, slots, lengths, layout)."""
-
-    def __init__(self, key: MixedKey, rows: int, layout: StepLayout, device):
-        T = key.num_tokens
-        self.sizes = {"ids": T, "positions": T, "slots": T, "seq_lens": rows, **key.field_sizes()}
-        self.packed = torch.zeros(sum(self.sizes.values()), dtype=torch.int64, device=device)
-        self.views = dict(zip(self.sizes, self.packed.split(list(self.sizes.values()))))
-        self.device = device  # the engine's, so the copies share its pinned staging ring
-        # The backend reads only the layout's counts; host lists that would be stale are emptied.
-        self.layout = dataclasses.replace(layout, query_lens=[], seq_lens=[], num_tokens=T)
-
-    def fill(self, ids, positions, slots, seq_lens, layout: StepLayout, scratch_slot: int) -> None:
-        T, n = self.sizes["ids"], len(ids)
-        assert n <= T, (n, T)
-        pad = T - n
-        parts = [ids, np.zeros(pad, np.int64), positions, np.zeros(pad, np.int64), slots,
-                 np.full(pad, scratch_slot, np.int64), seq_lens]
-        for name in LAYOUT_FIELDS:
-            array = getattr(layout, name)
-            assert len(array) == self.sizes[name], (name, len(array), self.sizes[name])
-            parts.append(array)
-        copy_into(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), self.packed, self.device)
+LAYOUT_ARRAYS = [f for f in LAYOUT_FIELDS if f != "decode_req"]  # (decode_req: a view of span_req on the host)
 
 
 class MixedGraphRunner:
-    """Runs `run_model(input_ids, positions, meta) -> hidden` for steps with prompt tokens from graphs."""
+    """Runs `run_model(input_ids, positions, meta) -> hidden` for steps with prompt tokens from graphs.
+
+    A step's static inputs are its requests' query and sequence lengths and its ids (one packed buffer, shared by
+    every key) and the block tables; the layout, positions and slots are planned inside the graph
+    (attention/device_plan.py), at `capacity` sizes, so one compiled plan serves every key."""
 
     def __init__(self, run_model, backend, mods, *, rows: int, table_width: int, block_size: int, num_blocks: int,
-                 params: dict[str, torch.dtype], scratch_slot: int, device, workspace_pages: int | None = None,
-                 pool=None, max_tiles: int = MAX_GRAPH_TILES, use_graphs: bool = True):
+                 params: dict[str, torch.dtype], scratch_slot: int, device, num_kv_heads: int,
+                 workspace_pages: int | None = None, pool=None, max_tiles: int = MAX_GRAPH_TILES,
+                 use_graphs: bool = True):
         self.run_model, self.backend, self.mods = run_model, backend, mods
         self.rows, self.width, self.block_size, self.num_blocks = rows, table_width, block_size, num_blocks
         self.scratch_slot, self.max_tiles, self.workspace_pages = scratch_slot, max_tiles, workspace_pages
         self.device = torch.device(device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.pool = pool
+        buckets = decode_buckets(rows)
+        self.capacity = PlanCapacity(
+            decode_requests=max(buckets),
+            decode_rows=max(b * choose_decode_splits(b, num_kv_heads, self.device) for b in buckets),
+            tiles=max_tiles, segments=segment_capacity(max_tiles, rows),
+            workspace_pages=graph_workspace_pages(max_tiles, block_size, workspace_pages))
         with torch.inference_mode():
             self.params = {name: torch.zeros(rows, dtype=dtype, device=self.device) for name, dtype in params.items()}
-        self.buffers: dict[MixedKey, MixedBuffers] = {}
+            # query lengths [rows], sequence lengths [rows], then the token ids [tiles * Q_TILE]
+            self.inputs = torch.zeros(2 * rows + max_tiles * Q_TILE, dtype=torch.int64, device=self.device)
         # Block tables, shared by every key, column-major: a step copies only the columns its longest
         # table needs (max_model_len-wide rows were 16 MB per key at 131,072 tokens). Columns past them
         # hold an earlier step's pages, which nothing reads: page lists stop at a request's length and
         # the page map masks the rest (attention/metadata.py).
         self.tables_WR = torch.zeros(table_width * rows, dtype=torch.int32, device=self.device)
+        self.decode_shape: dict[MixedKey, torch.Tensor] = {}  # per key: its padded decode requests and their rows
         self.graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[MixedKey, torch.Tensor] = {}
         self.capture_seconds = 0.0
 
-    def fits(self, layout: StepLayout) -> bool:
+    def fits(self, key: MixedKey) -> bool:
         """Up to max_tiles prefill tiles, with the graph's workspace (the runner pads a step to it when its
         contexts fit): a step that prefills over a longer cached prefix has long kernels, and runs without."""
-        return 0 < layout.num_tiles <= self.max_tiles and len(layout.ws_req) == graph_workspace_pages(
-            layout.num_tiles, self.block_size, self.workspace_pages)
+        return 0 < key.num_tiles <= self.max_tiles and key.workspace_pages == graph_workspace_pages(
+            key.num_tiles, self.block_size, self.workspace_pages)
 
     def forward(self, key: MixedKey) -> torch.Tensor:
-        """The step over the key's static buffers: metadata on the device, then the model."""
-        b = self.buffers[key]
-        v = b.views
-        meta = metadata_on_device(b.layout, {name: v[name] for name in LAYOUT_FIELDS},
-                                  self.tables_WR.view(self.width, self.rows).t().contiguous(), v["seq_lens"].int(),
+        """The step over the static buffers: the plan and the metadata on the device, then the model."""
+        rows = self.rows
+        query_lens, seq_lens, ids = self.inputs.split([rows, rows, self.capacity.tiles * Q_TILE])
+        tables = self.tables_WR.view(self.width, rows).t().contiguous()
+        plan = (_compiled_plan() if self.device.type == "cuda" else plan_on_device)(
+            query_lens, seq_lens, tables, self.decode_shape[key], self.capacity, self.block_size, self.scratch_slot)
+        v = key_views(plan, key.num_decode, key.splits, key.num_tiles, key.num_segments, key.workspace_pages)
+        meta = metadata_on_device(key.layout(), {name: v[name] for name in LAYOUT_FIELDS}, tables, seq_lens.int(),
                                   v["slots"].clone(), self.block_size, self.num_blocks, self.params)
         meta.backend = self.backend
         self.backend.prepare(meta, self.mods)
         # Fresh tensors (no storage offset), as the ordinary step passes them: no new compiled variant.
-        return self.run_model(v["ids"].clone(), v["positions"].clone(), meta)
+        return self.run_model(ids[: key.num_tokens].clone(), v["positions"].clone(), meta)
 
     @torch.inference_mode()
-    def run(self, ids, positions, slots, tables, seq_lens, layout: StepLayout,
-            params: dict[str, torch.Tensor], feed=None) -> torch.Tensor:
-        """Hidden states [T, H] of one step whose layout `fits`; captures its graph the first time.
+    def run(self, ids, query_lens, seq_lens, tables, key: MixedKey, params: dict[str, torch.Tensor],
+            feed=None) -> torch.Tensor:
+        """Hidden states [T, H] of one step that `fits` its key; captures the key's graph the first time.
+        query_lens, seq_lens: int64 and int32 [rows], 0 past the step's requests; tables [rows, <= width].
         feed(input_ids): writes input ids known only on the device (async scheduling) into the buffer."""
-        key = MixedKey.of(layout)
-        if key not in self.buffers:
-            self.buffers[key] = MixedBuffers(key, self.rows, layout, self.device)
-        self.buffers[key].fill(ids, positions, slots, seq_lens, layout, self.scratch_slot)
-        assert tables.shape[0] == self.rows and tables.shape[1] <= self.width, (tables.shape, self.rows, self.width)
+        assert self.fits(key), key
+        if key not in self.decode_shape:
+            self.decode_shape[key] = torch.tensor([key.num_decode, key.splits], device=self.device)
+        n, rows = len(ids), self.rows
+        assert n <= key.num_tokens and len(query_lens) == len(seq_lens) == rows, (n, key, len(query_lens), rows)
+        packed = np.zeros(2 * rows + key.num_tokens, dtype=np.int64)  # zeros: the padding tokens' ids
+        packed[:rows], packed[rows:2 * rows], packed[2 * rows:2 * rows + n] = query_lens, seq_lens, ids
+        copy_into(packed, self.inputs, self.device)
+        assert tables.shape[0] == rows and tables.shape[1] <= self.width, (tables.shape, rows, self.width)
         copy_into(np.ascontiguousarray(tables.T).ravel(), self.tables_WR, self.device)
         if feed is not None:
-            feed(self.buffers[key].views["ids"])
+            feed(self.inputs[2 * rows:2 * rows + key.num_tokens])
         for name, buf in self.params.items():
             assert params[name].dtype == buf.dtype, (name, params[name].dtype, buf.dtype)
             buf.copy_(params[name][: self.rows])
-        n = len(ids)
         if key in self.graphs:
             self.graphs[key].replay()
             return self.hidden[key][:n]
@@ -178,3 +175,8 @@ class MixedGraphRunner:
         seconds = time.perf_counter() - start
         self.capture_seconds += seconds
         logger.debug("captured a CUDA graph for %s in %.3f s (%d mixed graphs)", key, seconds, len(self.graphs))
+
+
+# On CUDA the plan is one Inductor graph (a few kernels inside each mixed graph, not a launch per op); its shapes are
+# the capacity's, so every key shares it.
+_compiled_plan = compiled_on_first_use(plan_on_device)

@@ -62,7 +62,7 @@ def mixed_graph_runner(runner, pool):
         runner.run_model, runner.backend, runner.mods, rows=runner.config.max_num_seqs,
         table_width=runner.table_width, block_size=runner.block_size, num_blocks=runner.num_blocks + 1,
         params=runner.param_dtypes(), scratch_slot=runner.num_blocks * runner.block_size, device=runner.device,
-        workspace_pages=runner.backend.workspace_pages, pool=pool)
+        num_kv_heads=runner.num_kv_heads, workspace_pages=runner.backend.workspace_pages, pool=pool)
 
 
 def max_prefill_tiles(max_num_batched_tokens: int) -> int:
@@ -153,10 +153,10 @@ def capture_mixed_graphs(runner) -> int:
                     continue
                 seqs = dummy_seqs(runner, num_decode, 1, cached=1)
                 seqs += dummy_prompts(runner, lengths, first=len(seqs))
-                p = runner.pack_step(ScheduledBatch(seqs, [1] * num_decode + lengths))
-                assert graphs.fits(p.layout) and p.layout.num_tiles == tiles, p.layout
-                graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
-                           runner.attention_params(seqs, len(p.seq_lens)))
+                p = runner.pack_lengths(ScheduledBatch(seqs, [1] * num_decode + lengths))
+                key = runner.graph_key(p)
+                assert key is not None and key.num_tiles == tiles, (key, tiles)
+                runner.run_mixed_graph(p, key, seqs)
         hidden = torch.zeros(cfg.max_num_seqs, runner.model.spec.hidden_size, dtype=runner.dtype,
                              device=runner.device)
         for n in range(1, cfg.max_num_seqs + 1):

@@ -9,9 +9,11 @@ scheduled batch into device inputs (medians and p90 over the steps of each kind,
   last one moved on?), then either `prepare_decode` (ids, positions, slots, lengths, tables: one copy)
   and `DecodeGraphRunner.run` (copies into the graph's buffers, replay), or, in the steady state,
   `DecodeGraphRunner.run_moved_on` (the ids and new pages, the buffers advance on the device, replay);
-- steps with prompt tokens from a mixed graph: `pack_step` (of which `plan_layout`: where each query
-  sits) and `MixedGraphRunner.run` (one packed copy, the tables, the replay; metadata inside the graph);
-- steps too large for a graph: `pack_step` and `prepare_step`, whose metadata is built by eager launches.
+- steps with prompt tokens: `pack_lengths` (ids, each request's lengths, the block tables), then from a mixed
+  graph `graph_key` and `MixedGraphRunner.run` (one packed copy of ids and lengths, the tables, the replay: the
+  layout, positions, slots and metadata are planned inside the graph, attention/device_plan.py);
+- or, too large for a graph: `plan_step` (positions, slots and `plan_layout` on the host) and `prepare_step`,
+  whose metadata is built by eager launches.
 The model's own launches are not counted (they are the graph replay, or the eager layers).
 
 `--workload json|penalties` runs issue 20's workloads instead of plain sampling (every request under
@@ -85,11 +87,15 @@ def main() -> None:
         graphs = runner.decode_graphs
         graphs.run = timed(times["  of which DecodeGraphRunner.run"], graphs.run)
         graphs.run_moved_on = timed(times["  of which DecodeGraphRunner.run_moved_on"], graphs.run_moved_on)
-    runner.pack_step = timed(times["pack_step (steps with prompt tokens)"], runner.pack_step)
-    model_runner.plan_layout = timed(times["  of which plan_layout"], model_runner.plan_layout)
+    runner.pack_lengths = timed(times["pack_lengths (steps with prompt tokens: ids, lengths, tables)"],
+                                runner.pack_lengths)
     if runner.mixed_graphs is not None:
-        runner.mixed_graphs.run = timed(times["then MixedGraphRunner.run"], runner.mixed_graphs.run)
-    runner.prepare_step = timed(times["or prepare_step (eager metadata)"], runner.prepare_step)
+        runner.graph_key = timed(times["then graph_key (the mixed graph's key, or none)"], runner.graph_key)
+        runner.mixed_graphs.run = timed(times["then MixedGraphRunner.run (layout planned in the graph)"],
+                                        runner.mixed_graphs.run)
+    runner.plan_step = timed(times["or plan_step (positions, slots, layout on the host)"], runner.plan_step)
+    model_runner.plan_layout = timed(times["  of which plan_layout"], model_runner.plan_layout)
+    runner.prepare_step = timed(times["  then prepare_step (eager metadata)"], runner.prepare_step)
     engine = llm.llm_engine
     steps, waits = times["LLMEngine._step (a whole host step)"], times["  of which InFlightStep.wait (for the device)"]
     engine._step = timed(steps, engine._step)

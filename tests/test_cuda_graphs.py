@@ -91,7 +91,8 @@ def test_static_buffer_mixed_step_matches_the_ordinary_step():
     llm = LLM(block_size=8, num_kv_blocks=32, enforce_eager=True)
     r = llm.llm_engine.runner
     g = MixedGraphRunner(r.run_model, r.backend, r.mods, rows=3, table_width=r.table_width, block_size=8,
-                         num_blocks=r.num_blocks + 1, params={}, scratch_slot=r.num_blocks * 8, device="cpu")
+                         num_blocks=r.num_blocks + 1, params={}, scratch_slot=r.num_blocks * 8, device="cpu",
+                         num_kv_heads=r.num_kv_heads)
     steps = [  # (sequences, new tokens each)
         ([chunk_seq(0, 20, 19, [3, 9, 4]), chunk_seq(1, 30, 0, [7, 2, 5, 6]), chunk_seq(2, 9, 8, [12, 1])], [1, 30, 1]),
         ([chunk_seq(3, 12, 11, [8, 10]), chunk_seq(4, 25, 17, [11, 13, 14, 15]), chunk_seq(5, 4, 3, [16])], [1, 8, 1]),
@@ -105,9 +106,11 @@ def test_static_buffer_mixed_step_matches_the_ordinary_step():
             inputs = r.prepare_step(batch)
             expected = r.run_model(inputs.input_ids, inputs.positions, inputs.meta)
             p = r.pack_step(batch)
-            assert g.fits(p.layout)
-            got = g.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout, {})
-        keys.add(MixedKey.of(p.layout))
+            key = MixedKey.of(p.layout)
+            assert g.fits(key)
+            query_lens = p.query_lens  # (this runner's rows: the step's three requests)
+            got = g.run(p.ids[: len(inputs.input_ids)], query_lens, p.seq_lens, p.tables, key, {})
+        keys.add(key)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert len(keys) < len(steps), "no step reused a key's buffers"
 
@@ -474,15 +477,15 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines):
     llm = LLM(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=96, max_model_len=96)
     runner = llm.llm_engine.runner
     graphs = runner.mixed_graphs
-    graphs.buffers.clear()  # on CPU nothing is captured at start-up; the keys are what counts
+    graphs.decode_shape.clear()  # on CPU nothing is captured at start-up; the keys are what counts
     capture_mixed_graphs(runner)
-    keys = set(graphs.buffers)
+    keys = set(graphs.decode_shape)
     # a step of 256 tokens is at most 2 tiles of the packed token buffer, whatever its requests
     expected = {(d, t) for d in (0, 1, 2, 4, 8, 16) for t in (1, 2)}
     assert {(k.num_decode, k.num_tiles) for k in keys} == expected
     met = []
     run = graphs.run
-    graphs.run = lambda *args, **kw: met.append(MixedKey.of(args[5])) or run(*args, **kw)
+    graphs.run = lambda *args, **kw: met.append(args[4]) or run(*args, **kw)
     prompts, params = mixed_traffic(n=40, max_len=90, max_tokens=20, temperature=0)
     llm.generate(prompts, params, use_tqdm=False)
     assert set(met) <= keys, "traffic met a layout start-up did not capture"

@@ -112,6 +112,16 @@ def choose_decode_splits(num_decode: int, num_kv_heads: int, device) -> int:
     return max(1, min(env_decode_splits() or 32, programs // (num_decode * num_kv_heads)))
 
 
+def split_rows_or_programs(decode_splits: int, num_decode: int) -> tuple[int, int]:
+    """(flex rows per decode request, the kernel's own split-KV programs per row) for `decode_splits` splits of
+    `num_decode` (padded) decode requests: FLEXENGINE_SPLIT_KV's choice (auto: the kernel's programs for a lone
+    request, rows otherwise)."""
+    mode = env_split_kv() if decode_splits > 1 else "rows"
+    if mode == "kernel" or (mode == "auto" and num_decode == 1):  # the same split, made by the kernel's programs
+        return 1, decode_splits
+    return decode_splits, 1
+
+
 def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int = 0,
                 pad_tiles_to: int = 0, decode_splits: int = 1, block_size: int | None = None,
                 pad_workspace_to: int = 0, pad_segments_to: int = 0) -> StepLayout:
@@ -130,10 +140,7 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
 
     Bd = max(len(dec), pad_decode_to)
     dec_pad = Bd - len(dec)
-    S, kernel_splits = decode_splits, 1
-    mode = env_split_kv() if S > 1 else "rows"
-    if mode == "kernel" or (mode == "auto" and Bd == 1):  # the same split, made by the kernel's programs
-        S, kernel_splits = 1, decode_splits
+    S, kernel_splits = split_rows_or_programs(decode_splits, Bd)
     decode_src = np.repeat(np.concatenate([starts[dec], z(dec_pad)]), S)
     decode_dst = np.concatenate([starts[dec], np.full(dec_pad, -1, np.int64)])
     dreq = np.repeat(np.concatenate([dec, z(dec_pad)]), S)

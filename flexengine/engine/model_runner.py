@@ -2,7 +2,8 @@
 
 A step is three functions named for what they do:
   prepare_step(batch) -> StepInputs    host lists → device tensors (one transfer each) + metadata (once)
-                                       (pack_step is its host half; a mixed CUDA graph takes that directly)
+                                       (pack_step is its host half: pack_lengths, then plan_step; a mixed CUDA
+                                       graph takes pack_lengths' arrays and plans the rest on the device)
   run_model(input_ids, positions, meta) -> hidden   the only call the compile layer needs to wrap
   sample(forwarded, sampling_inputs(forwarded, prev)) -> tokens   logits only for rows that need a token
 `execute` is the three in a row; the engine calls `forward` and `sample` apart when a grammar's masks need
@@ -10,6 +11,7 @@ the step before's tokens (LLMEngine._grammar_step).
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -24,7 +26,7 @@ import torch
 from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
 from ..attention.metadata import AttentionMetadata, build_metadata
-from ..attention.layout import StepLayout, plan_layout
+from ..attention.layout import StepLayout, plan_layout, split_rows_or_programs
 from ..attention.staging import to_device
 from ..compile import fused_elementwise
 from ..config import EngineConfig, resolve_device
@@ -56,16 +58,18 @@ class StepInputs:
 
 @dataclass
 class PackedStep:
-    """One step's inputs on the host, before any device work."""
+    """One step's inputs on the host, before any device work. pack_lengths fills the requests' part, plan_step
+    the rest (a mixed CUDA graph plans it on the device instead)."""
     ids: np.ndarray                   # int64 [T]
-    positions: np.ndarray             # int64 [T]
-    slots: np.ndarray                 # int64 [T]
+    query_lens: np.ndarray            # int64 [R]
     tables: np.ndarray                # int32 [rows, width]
     seq_lens: np.ndarray              # int32 [rows]; 0 for padding rows
-    layout: StepLayout
     sample_seqs: list[Sequence]
     sample_rows: np.ndarray           # int64 [N]
-    last_rows: np.ndarray             # int64 [rows]: each sequence's last token in the packed batch
+    last_rows: np.ndarray             # int64 [R]: each sequence's last token in the packed batch
+    positions: np.ndarray | None = None  # int64 [T], then padding (plan_step)
+    slots: np.ndarray | None = None      # int64 [T], then padding
+    layout: StepLayout | None = None
 
 
 def wants_compile(device: torch.device, enforce_eager: bool) -> bool:
@@ -172,19 +176,15 @@ class ModelRunner:
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
 
-    def pack_step(self, batch: ScheduledBatch) -> PackedStep:
-        """The scheduled tokens as host arrays: ids, positions, slots, block tables, lengths, layout."""
-        P, seqs = self.block_size, batch.seqs
+    def pack_lengths(self, batch: ScheduledBatch) -> PackedStep:
+        """The scheduled tokens' ids, the requests' lengths and block tables, and which rows sample."""
+        seqs = batch.seqs
         R = len(seqs)
         query_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=R)
         seq_lens = starts + query_lens
-        T = int(query_lens.sum())
         ids = np.fromiter(chain.from_iterable(s.token_ids[a:a + n] for s, a, n in zip(seqs, starts, query_lens)),
-                          dtype=np.int64, count=T)
-        req = np.repeat(np.arange(R), query_lens)
-        ends = np.cumsum(query_lens)
-        positions = np.repeat(starts, query_lens) + np.arange(T) - np.repeat(ends - query_lens, query_lens)
+                          dtype=np.int64, count=int(query_lens.sum()))
         # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long
         # contexts. The device side widens it where a fixed shape needs that (prepare_step).
         row, col, page, table_lens = table_entries([s.block_table for s in seqs])
@@ -193,22 +193,54 @@ class ModelRunner:
         rows = max(R, self.config.max_num_seqs) if self.static_shapes else R
         tables = np.zeros((rows, int(table_lens.max())), dtype=np.int32)
         tables[row, col] = page
-        slots = tables[req, positions // P].astype(np.int64) * P + positions % P
+        padded_lens = np.zeros(rows, dtype=np.int32)
+        padded_lens[:R] = seq_lens
+        ends = np.cumsum(query_lens)
+        # A sequence gets a token when this step computes its last known token (its prompt is done).
+        done = np.flatnonzero(seq_lens == np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=R))
+        return PackedStep(ids, query_lens, tables, padded_lens, [seqs[i] for i in done.tolist()], ends[done] - 1,
+                          ends - 1)
 
+    def plan_step(self, p: PackedStep) -> PackedStep:
+        """pack_lengths' step with its positions, slots and layout (plan_layout) on the host."""
+        P, query_lens = self.block_size, p.query_lens
+        R, T = len(query_lens), len(p.ids)
+        seq_lens = p.seq_lens[:R].astype(np.int64)
+        ends = p.last_rows + 1
+        req = np.repeat(np.arange(R), query_lens)
+        positions = np.repeat(seq_lens - query_lens, query_lens) + np.arange(T) - np.repeat(ends - query_lens,
+                                                                                             query_lens)
+        slots = p.tables[req, positions // P].astype(np.int64) * P + positions % P
         layout = plan_layout(query_lens, seq_lens, **self.layout_padding(query_lens, seq_lens))
         # Compiled flex reads the token buffer as whole prefill tiles (the eager path reads T rows as they are).
-        pad = layout.token_capacity - T if self.static_shapes else 0
+        ids, pad = p.ids, layout.token_capacity - T if self.static_shapes else 0
         if pad:  # padding tokens: id 0 at position 0, their K/V to the scratch page past the pool
             scratch = (self.layers[0].k_cache.shape[0] - 1) * P
             zeros = np.zeros(pad, dtype=np.int64)  # (np.pad took 50 µs for the three)
             ids, positions = np.concatenate([ids, zeros]), np.concatenate([positions, zeros])
             slots = np.concatenate([slots, np.full(pad, scratch, dtype=np.int64)])
-        padded_lens = np.zeros(rows, dtype=np.int32)
-        padded_lens[:R] = seq_lens
-        # A sequence gets a token when this step computes its last known token (its prompt is done).
-        done = np.flatnonzero(seq_lens == np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=R))
-        return PackedStep(ids, positions, slots, tables, padded_lens, layout, [seqs[i] for i in done.tolist()],
-                          ends[done] - 1, ends - 1)
+        return dataclasses.replace(p, ids=ids, positions=positions, slots=slots, layout=layout)
+
+    def pack_step(self, batch: ScheduledBatch) -> PackedStep:
+        """The scheduled tokens as host arrays: ids, positions, slots, block tables, lengths, layout."""
+        return self.plan_step(self.pack_lengths(batch))
+
+    def graph_key(self, p: PackedStep):
+        """The mixed CUDA graph that runs pack_lengths' step `p` (its layout planned on the device), or None."""
+        from ..compile.mixed_graphs import MixedKey
+        seq_lens = p.seq_lens[: len(p.query_lens)]
+        pad = self.layout_padding(p.query_lens, seq_lens)
+        rows, kernel_splits = split_rows_or_programs(pad["decode_splits"], pad["pad_decode_to"])
+        key = MixedKey(pad["pad_decode_to"], rows, pad["pad_tiles_to"], pad["pad_segments_to"],
+                       pad["pad_workspace_to"], kernel_splits)
+        return key if self.mixed_graphs.fits(key) else None
+
+    def run_mixed_graph(self, p: PackedStep, key, seqs: list[Sequence], feed=None) -> torch.Tensor:
+        """The hidden states of pack_lengths' step `p` from the mixed graph of `key` (graph_key)."""
+        query_lens = np.zeros(len(p.seq_lens), dtype=np.int64)  # as the other per-request arrays: every row
+        query_lens[: len(p.query_lens)] = p.query_lens
+        return self.mixed_graphs.run(p.ids, query_lens, p.seq_lens, p.tables, key,
+                                     self.attention_params(seqs, len(p.seq_lens)), feed=feed)
 
     def prepare_step(self, batch: ScheduledBatch, packed: PackedStep | None = None) -> StepInputs:
         """pack_step (unless given), then the device half: one transfer per array, the metadata built once."""
@@ -340,13 +372,13 @@ class ModelRunner:
         if self.decode_with_graphs(batch):  # every row is a sequence's last token: no prompt token to score
             return Forwarded(batch.seqs, self.decode_from_graphs(batch.seqs, prev), None)
         self.decode_tracker.forget()  # (the graphs' buffers stay as they are, but the batch moves on without them)
-        p = self.pack_step(batch) if self.mixed_graphs is not None else None
-        if p is not None and self.mixed_graphs.fits(p.layout):  # a step with prompt tokens, from a graph
-            hidden = self.mixed_graphs.run(p.ids, p.positions, p.slots, p.tables, p.seq_lens, p.layout,
-                                           self.attention_params(batch.seqs, len(p.seq_lens)),
-                                           feed=partial(feed_inputs, fed=self.feed(prev, batch.seqs, p.last_rows)))
+        p = self.pack_lengths(batch)
+        key = self.graph_key(p) if self.mixed_graphs is not None else None
+        if key is not None:  # a step with prompt tokens, from a graph
+            hidden = self.run_mixed_graph(p, key, batch.seqs,
+                                          feed=partial(feed_inputs, fed=self.feed(prev, batch.seqs, p.last_rows)))
         else:
-            p = p or self.pack_step(batch)
+            p = self.plan_step(p)
             inputs = self.prepare_step(batch, packed=p)
             feed_inputs(inputs.input_ids, self.feed(prev, batch.seqs, p.last_rows))
             hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)

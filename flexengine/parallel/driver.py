@@ -153,12 +153,11 @@ def wrap_decode_graphs(graphs, pool, announce) -> None:
 def wrap_mixed_graphs(graphs, pool, announce) -> None:
     run = graphs.run
 
-    def run_tp(ids, positions, slots, tables, seq_lens, layout, params, feed=None):
+    def run_tp(ids, query_lens, seq_lens, tables, key, params, feed=None):
         with pool.step() as outermost:
             if outermost:  # host arrays, pickled; the parameters are on the device
                 names = sorted(params)
-                announce(("mixed", len(ids), positions, slots, tables, seq_lens, layout, names),
-                         [params[n] for n in names])
-            return run(ids, positions, slots, tables, seq_lens, layout, params, feed=feed)
+                announce(("mixed", len(ids), query_lens, seq_lens, tables, key, names), [params[n] for n in names])
+            return run(ids, query_lens, seq_lens, tables, key, params, feed=feed)
 
     graphs.run = run_tp

@@ -75,8 +75,8 @@ def serve_steps(runner, tp, conn=None) -> None:
             n, new_pages = args
             runner.decode_graphs.run_moved_on(torch.zeros(n, dtype=torch.int64, device=device), new_pages)
         elif kind == "mixed":
-            n, positions, slots, tables, seq_lens, layout, names = args
-            runner.mixed_graphs.run(np.zeros(n, dtype=np.int64), positions, slots, tables, seq_lens, layout,
+            n, query_lens, seq_lens, tables, key, names = args
+            runner.mixed_graphs.run(np.zeros(n, dtype=np.int64), query_lens, seq_lens, tables, key,
                                     dict(zip(names, tensors)))
         else:
             raise AssertionError(f"unknown step kind {kind!r}")
