@@ -19,7 +19,7 @@ import torch
 
 from ..attention.metadata import AttentionMetadata, build_metadata, build_phys_to_logical
 from ..attention.layout import choose_decode_splits, plan_layout
-from ..attention.staging import to_device
+from ..attention.staging import copy_into
 from .policy import compile_count, compiled_on_first_use, decode_buckets, decode_regions
 
 
@@ -48,6 +48,10 @@ class DecodeBuffers:
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.params = {name: torch.zeros(max_bs, dtype=dtype, device=device) for name, dtype in params.items()}
         self.scratch_slot = scratch_slot
+        # A step that moves the last one's rows on (run_moved_on, run_next), read inside the graph (move_on):
+        # [moving (0 or 1), rows n, new pages k, then k (row, column, page) triples]; and the rows' new input ids.
+        self.moves = torch.zeros(3 + 3 * max_bs, dtype=torch.long, device=device)
+        self.fed_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
 
     def fill(self, input_ids, positions, slot_mapping, block_tables, seq_lens, params, bs: int) -> None:
         """Copy one step's (already on-device) inputs in; rows n..bs become inert padding."""
@@ -62,21 +66,38 @@ class DecodeBuffers:
         for name, buf in self.params.items():
             assert params[name].dtype == buf.dtype, (name, params[name].dtype, buf.dtype)  # one kernel per dtype
             buf[:n].copy_(params[name])
+        self.moves[:1].zero_()  # the graph's move_on: these rows as they are
 
-    def advance(self, token_ids: torch.Tensor, block_size: int) -> None:
-        """On the device: rows 0..n-1 move one token on, fed `token_ids` (the last step's samples)."""
-        n = token_ids.shape[0]
-        (_compiled_advance() if token_ids.is_cuda else advance_rows)(
-            token_ids, self.input_ids[:n], self.positions[:n], self.seq_lens[:n], self.block_tables[:n],
-            self.slot_mapping[:n], block_size)
+    def move_on_next(self, token_ids: torch.Tensor, new_pages: np.ndarray | None = None) -> None:
+        """Make the next replay move rows 0..n-1 one token on, fed `token_ids` (the last step's samples, on the
+        device), after writing `new_pages` ([3, k]: row, column and page of each page appended since)."""
+        n, k = token_ids.shape[0], 0 if new_pages is None else new_pages.shape[1]
+        assert k <= n and (k == 0 or new_pages[1].min() > 0), (k, n)  # one page a row at most, never a first one
+        moves = np.empty(3 + 3 * k, dtype=np.int64)
+        moves[:3] = 1, n, k
+        if k:
+            moves[3:] = new_pages.T.ravel()
+        copy_into(moves, self.moves, self.moves.device)
+        self.fed_ids[:n].copy_(token_ids)
 
 
-def advance_rows(token_ids, input_ids, positions, seq_lens, block_tables, slot_mapping, block_size: int) -> None:
-    input_ids.copy_(token_ids)
-    positions += 1
-    seq_lens += 1
-    page = block_tables.gather(1, (positions // block_size)[:, None]).squeeze(1)
-    slot_mapping.copy_(page.long() * block_size + positions % block_size)
+def move_on(moves, fed_ids, input_ids, positions, seq_lens, block_tables, slot_mapping, block_size: int) -> None:
+    """Inside the decode graph, before its metadata (DecodeBuffers.moves): when moving, the new pages enter the
+    tables and rows 0..n-1 move one token on, fed fed_ids; else nothing changes. input_ids .. slot_mapping: the
+    bucket's rows; block_tables: every row."""
+    bs, cap = input_ids.shape[0], (moves.shape[0] - 3) // 3
+    moving = moves[0] > 0
+    entry = moves[3:].view(cap, 3)
+    new = moving & (torch.arange(cap, device=moves.device) < moves[2])
+    # entries past k (an earlier step's) rewrite row 0's first page as it is: a new page is never a first one
+    row, col = torch.where(new, entry[:, 0], 0), torch.where(new, entry[:, 1], 0)
+    block_tables[row, col] = torch.where(new, entry[:, 2], block_tables[row, col].long()).int()
+    on = moving & (torch.arange(bs, device=moves.device) < moves[1])
+    input_ids.copy_(torch.where(on, fed_ids[:bs], input_ids))
+    positions.add_(on.long())
+    seq_lens.add_(on.int())
+    page = block_tables[:bs].gather(1, (positions // block_size)[:, None]).squeeze(1)
+    slot_mapping.copy_(torch.where(on, page.long() * block_size + positions % block_size, slot_mapping))
 
 
 def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
@@ -96,9 +117,8 @@ def refresh_decode_positions(meta: AttentionMetadata) -> None:
     meta.span_q_hi.copy_(q_pos)
 
 
-# On CUDA: a kernel or two each, not a launch per op (the advance between the decode graphs' replays, compiled by
-# capture_all; the positions and page map inside them).
-_compiled_advance = compiled_on_first_use(advance_rows)
+# On CUDA: a kernel or two each inside the decode graphs, not a launch per op.
+_compiled_move_on = compiled_on_first_use(move_on)
 _compiled_positions = compiled_on_first_use(refresh_decode_positions)
 
 
@@ -161,7 +181,11 @@ class DecodeGraphRunner:
 
     def step(self, bs: int) -> torch.Tensor:
         meta = self.static_meta(bs)
+        b = self.bufs
         with decode_regions(bs <= COMBO_UP_TO):  # small batches: the buckets whose steps are launch-bound
+            (_compiled_move_on() if b.moves.is_cuda else move_on)(
+                b.moves, b.fed_ids, b.input_ids[:bs], b.positions[:bs], b.seq_lens[:bs], b.block_tables,
+                b.slot_mapping[:bs], self.block_size)
             refresh_decode_metadata(meta, self.backend, self.mods)
             return self.forward_logits(self.bufs.input_ids[:bs], self.bufs.positions[:bs], meta)
 
@@ -178,8 +202,6 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self.pool = torch.cuda.graph_pool_handle()
-        for n in {1, min(2, max(self.buckets))}:  # compile the buffers' advance now (one row; several), not mid-serving
-            self.bufs.advance(self.bufs.input_ids[:n].clone(), self.block_size)
         for bs in sorted(self.buckets, reverse=True):
             started, compiled = time.perf_counter(), compile_count()
             self.step(bs)  # compile and autotune outside the capture
@@ -204,19 +226,16 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def run_moved_on(self, token_ids: torch.Tensor, new_pages: np.ndarray) -> torch.Tensor:
-        """Logits of a decode step whose batch is the last run's, each row one token on: the buffers move on
-        on the device, and only the pages appended since (new_pages [3, k]: row, column, page) are copied."""
-        if new_pages.shape[1]:
-            row, col, page = to_device(new_pages, self.device).unbind(0)
-            self.bufs.block_tables[row, col] = page.int()
-        self.bufs.advance(token_ids, self.block_size)
+        """Logits of a decode step whose batch is the last run's, each row one token on: the graph moves its
+        buffers on itself, given the tokens and the pages appended since (new_pages [3, k]: row, column, page)."""
+        self.bufs.move_on_next(token_ids, new_pages)
         return self.replay(token_ids.shape[0])
 
     @torch.inference_mode()
     def run_next(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the step after the last one run, whose sampled tokens are `token_ids` [n]: the
         buffers advance on the device, so nothing waits for the host."""
-        self.bufs.advance(token_ids, self.block_size)
+        self.bufs.move_on_next(token_ids)
         return self.replay(token_ids.shape[0])
 
     def replay(self, n: int) -> torch.Tensor:

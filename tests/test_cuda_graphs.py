@@ -492,30 +492,47 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines):
     assert len(set(met)) >= 4  # several decode buckets beside prompts
 
 
-def test_compiled_advance_and_rotary_tables_equal_eager(monkeypatch, tmp_path):
-    """What the CUDA engine now runs through Inductor between and inside the decode graphs (here Inductor on the
-    CPU): the buffers' advance by one token (one dynamic graph for one row, one for several) and rotary's cos/sin
-    (one kernel a step) give what the eager code gives."""
+def test_compiled_move_on_and_rotary_tables_equal_eager(monkeypatch, tmp_path):
+    """What the CUDA engine runs through Inductor inside the decode graphs (here Inductor on the CPU): the buffers'
+    move by one token with the new pages (one dynamic graph for one row, one for several; a still step changes
+    nothing) and rotary's cos/sin (one kernel a step) give what the eager code gives."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cached graph brings its old guards
     from flexengine.compile import compile_count, configure_dynamo, reset_fused, set_fused_elementwise
-    from flexengine.compile.cuda_graphs import advance_rows
+    from flexengine.compile.cuda_graphs import move_on
     from flexengine.layers.rotary import cos_sin, default_inv_freq
     torch._dynamo.reset()
     configure_dynamo()
-    compiled = torch.compile(advance_rows, dynamic=True, fullgraph=True)
+    compiled = torch.compile(move_on, dynamic=True, fullgraph=True)
     g = torch.Generator().manual_seed(0)
     before = compile_count()
-    for n in (1, 2, 5, 9):
-        tables = torch.randint(0, 50, (n, 6), generator=g, dtype=torch.int32)
-        state = [torch.randint(0, 90, (n,), generator=g), torch.randint(0, 90, (n,), generator=g),
-                 torch.randint(1, 90, (n,), generator=g, dtype=torch.int32), tables, torch.zeros(n, dtype=torch.long)]
-        tokens = torch.randint(0, 1000, (n,), generator=g)
+    for n, k, moving in ((1, 1, 1), (2, 0, 1), (5, 3, 1), (9, 2, 1), (5, 2, 0)):
+        bs, cap = n + 1, 12
+        tables = torch.randint(0, 50, (cap, 6), generator=g, dtype=torch.int32)
+        state = [torch.randint(0, 90, (bs,), generator=g), torch.randint(0, 60, (bs,), generator=g),
+                 torch.randint(1, 90, (bs,), generator=g, dtype=torch.int32), tables,
+                 torch.zeros(bs, dtype=torch.long)]
+        moves = torch.randint(1, 6, (3 + 3 * cap,), generator=g)  # stale entries past k
+        moves[:3] = torch.tensor([moving, n, k])
+        rows = torch.randperm(n, generator=g)[:k]
+        moves[3:3 + 3 * k] = torch.stack([rows, torch.randint(1, 6, (k,), generator=g),
+                                          torch.randint(100, 200, (k,), generator=g)], 1).flatten()
+        fed = torch.randint(0, 1000, (cap,), generator=g)
         want, got = [t.clone() for t in state], [t.clone() for t in state]
-        advance_rows(tokens, *want, 16)
-        compiled(tokens, *got, 16)
+        move_on(moves, fed, *want[:3], want[3], want[4], 16)
+        compiled(moves, fed, *got[:3], got[3], got[4], 16)
         assert all(torch.equal(a, b) for a, b in zip(want, got)), n
-        assert torch.equal(want[0], tokens) and torch.equal(want[1], state[1] + 1)
-    assert compile_count() - before <= 2
+        if not moving:
+            assert all(torch.equal(a, b) for a, b in zip(want, state))
+            continue
+        expect_tables = state[3].clone()
+        for r, c, p in moves[3:3 + 3 * k].view(k, 3).tolist():
+            expect_tables[r, c] = p
+        assert torch.equal(want[3], expect_tables)
+        assert torch.equal(want[0][:n], fed[:n]) and torch.equal(want[0][n:], state[0][n:])
+        assert torch.equal(want[1][:n], state[1][:n] + 1) and torch.equal(want[1][n:], state[1][n:])
+        page = expect_tables[torch.arange(n), want[1][:n] // 16]
+        assert torch.equal(want[4][:n], page.long() * 16 + want[1][:n] % 16)
+    assert compile_count() - before <= 3
     reset_fused()
     positions, inv_freq = torch.arange(0, 3000, 37), default_inv_freq(64, 500000.0)
     expected = cos_sin.eager(positions, inv_freq, torch.bfloat16)

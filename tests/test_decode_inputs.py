@@ -26,7 +26,7 @@ def step_on(s, new_page: int | None) -> None:
 
 
 def apply_on_device(packed: np.ndarray, moved, width: int) -> np.ndarray:
-    """What DecodeBuffers.advance and run_moved_on do to the buffers, in numpy."""
+    """What run_moved_on makes the decode graph do to its buffers (cuda_graphs.move_on), in numpy."""
     out = np.zeros((4 + width, packed.shape[1]), dtype=np.int64)
     out[: packed.shape[0]] = packed
     out[0] = moved.ids

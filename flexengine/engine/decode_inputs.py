@@ -4,7 +4,7 @@ where the batch is the last decode step's one token on, only what changed.
 Packing 256 requests' ids, positions, slots, lengths and block tables took 405 µs of host time per decode
 step on the H100 box (docs/benchmarks.md, session 13). When the batch has not changed, the decode graphs'
 buffers already hold all of it one token back: they move on by themselves on the device
-(DecodeBuffers.advance, as multi-step decode does), and the host sends only the input ids and the pages
+(compile/cuda_graphs.move_on, inside the graph, as multi-step decode does), and the host sends only the input ids and the pages
 appended since (vLLM keeps a persistent batch for the same reason).
 """
 from __future__ import annotations
