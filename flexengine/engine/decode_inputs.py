@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from operator import is_not
+from operator import attrgetter, is_not
 
 import numpy as np
 
@@ -40,6 +40,9 @@ def pack_decode(seqs, block_size: int) -> np.ndarray:
     packed[1], packed[3] = pos, pos + 1
     packed[2] = packed[4 + pos // P, np.arange(R)] * P + pos % P
     return packed
+
+
+_block_table, _token_ids = attrgetter("block_table"), attrgetter("token_ids")
 
 
 @dataclass
@@ -78,8 +81,8 @@ class DecodeTracker:
         `seqs` is the last step's batch, in order, each request one token further and its block table only
         grown; else None (pack the whole batch)."""
         seqs = list(seqs)
-        tables = [s.block_table for s in seqs]
-        num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        tables = list(map(_block_table, seqs))  # (maps with attrgetter: no Python frame per sequence)
+        num_tokens = np.fromiter(map(len, map(_token_ids, seqs)), dtype=np.int64, count=len(seqs))
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
         last, self.last = self.last, _Step(seqs, tables, lens, num_tokens)
         # (the comparisons run in C: a Sequence compares by identity, and `is_not` maps over the tables)
