@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention.device_plan import PlanCapacity, key_views, plan_on_device
+from ..attention.device_plan import PlanCapacity, align_pages, key_views, plan_on_device
 from ..attention.metadata import LAYOUT_FIELDS, metadata_on_device
 from ..attention.layout import KV_TILE, Q_TILE, StepLayout, choose_decode_splits, segment_capacity
 from ..attention.staging import copy_into
@@ -127,7 +127,8 @@ class MixedGraphRunner:
         query_lens, seq_lens, ids = self.inputs.split([rows, rows, self.capacity.tiles * Q_TILE])
         tables = self.tables_WR.view(self.width, rows).t().contiguous()
         plan = (_compiled_plan() if self.device.type == "cuda" else plan_on_device)(
-            query_lens, seq_lens, tables, self.decode_shape[key], self.capacity, self.block_size, self.scratch_slot)
+            query_lens, seq_lens, tables, self.decode_shape[key], self.capacity, self.block_size,
+            align_pages(self.block_size), self.scratch_slot)
         v = key_views(plan, key.num_decode, key.splits, key.num_tiles, key.num_segments, key.workspace_pages)
         meta = metadata_on_device(key.layout(), {name: v[name] for name in LAYOUT_FIELDS}, tables, seq_lens.int(),
                                   v["slots"].clone(), self.block_size, self.num_blocks, self.params)

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from flexengine.attention.device_plan import PlanCapacity, key_views, plan_on_device
+from flexengine.attention.device_plan import PlanCapacity, align_pages, key_views, plan_on_device
 from flexengine.attention.layout import Q_TILE, plan_layout, segment_capacity, workspace_tokens
 from flexengine.attention.metadata import LAYOUT_FIELDS
 
@@ -57,7 +57,7 @@ def test_the_device_plan_is_plan_layouts(step):
     pad = [0] * (rows - len(reqs))
     scratch = 99_999
     plan = plan_on_device(torch.tensor(ql + pad), torch.tensor(sl + pad), torch.from_numpy(tables),
-                          torch.tensor([pad_decode, split_rows]), cap, P, scratch)
+                          torch.tensor([pad_decode, split_rows]), cap, P, align_pages(P), scratch)
     views = key_views(plan, pad_decode, split_rows, tiles, segments, pages)
     for name in LAYOUT_FIELDS:
         want = np.asarray(getattr(lay, name), dtype=np.int64)
@@ -74,6 +74,27 @@ def test_every_array_is_at_the_capacity_whatever_the_step():
     shapes = set()
     for ql, sl in (([5, 1, 0], [9, 3, 0]), ([130, 0, 0], [130, 0, 0]), ([2, 1, 1], [2, 40, 7])):
         plan = plan_on_device(torch.tensor(ql), torch.tensor(sl), torch.zeros(3, 9, dtype=torch.int32),
-                              torch.tensor([2, 2]), cap, 16, 0)
+                              torch.tensor([2, 2]), cap, 16, align_pages(16), 0)
         shapes.add(tuple((name, tuple(t.shape)) for name, t in sorted(plan.items())))
     assert len(shapes) == 1
+
+
+def test_the_compiled_plan_equals_the_eager_one_and_compiles_once(monkeypatch, tmp_path):
+    """The plan as the CUDA engine runs it (compile.compiled_on_first_use: dynamic shapes, one graph, here Inductor
+    on the CPU): what the eager plan gives, for steps of several graph keys, and no second compile (dynamo must trace
+    all of it: a math.lcm of the page size once broke the GPU engine's start-up)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from flexengine.compile import compile_count, compiled_on_first_use
+    torch._dynamo.reset()
+    compiled = compiled_on_first_use(plan_on_device)()
+    cap = PlanCapacity(decode_requests=4, decode_rows=16, tiles=3, segments=9, workspace_pages=12)
+    P, tables = 16, torch.arange(4 * 20, dtype=torch.int32).view(4, 20)
+    before = None
+    steps = [(([5, 1, 0, 0], [9, 3, 0, 0]), [1, 1]), (([130, 2, 1, 1], [130, 20, 7, 40]), [2, 4]),
+             (([300, 0, 0, 0], [300, 0, 0, 0]), [0, 1])]
+    for (ql, sl), shape in steps:
+        args = (torch.tensor(ql), torch.tensor(sl), tables, torch.tensor(shape), cap, P, align_pages(P), 7)
+        got, want = compiled(*args), plan_on_device(*args)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        before = compile_count() if before is None else before
+    assert compile_count() == before, "a second graph key compiled the plan again"

@@ -29,11 +29,18 @@ class PlanCapacity:
     workspace_pages: int  # pages gathered into the prefill workspace
 
 
+def align_pages(block_size: int) -> int:
+    """Pages a request's workspace span is rounded up to (layout.workspace_align), on the host: dynamo traces no
+    math.lcm of the plan's (symbolic) page size."""
+    return workspace_align(block_size) // block_size
+
+
 def plan_on_device(query_lens: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor,
-                   decode_shape: torch.Tensor, cap: PlanCapacity, block_size: int, scratch_slot: int) \
-        -> dict[str, torch.Tensor]:
+                   decode_shape: torch.Tensor, cap: PlanCapacity, block_size: int, span_pages: int,
+                   scratch_slot: int) -> dict[str, torch.Tensor]:
     """query_lens, seq_lens: int64 [R] (0 for rows past the step's requests); tables: int32 [R, M];
-    decode_shape: int64 [2], the key's padded decode requests and rows per request.
+    decode_shape: int64 [2], the key's padded decode requests and rows per request; span_pages: align_pages of
+    the page size.
 
     → plan_layout's arrays (metadata.LAYOUT_FIELDS) and `positions` and `slots` per token row, each at the
     capacity's length; the leading entries are what plan_layout gives for the key's padding."""
@@ -77,8 +84,8 @@ def plan_on_device(query_lens: torch.Tensor, seq_lens: torch.Tensor, tables: tor
     tile_single = per_tile[: cap.tiles] == 1
 
     # The workspace: each prefilling request's pages, its span rounded up to the alignment (plan_workspace).
-    a = workspace_align(P)
-    span = torch.where(is_pre, (sl + a - 1) // a * (a // P), 0)
+    a = span_pages * P
+    span = torch.where(is_pre, (sl + a - 1) // a * span_pages, 0)
     cum_ws = torch.cumsum(span, 0)
     ws_start = cum_ws - span
     w = torch.arange(cap.workspace_pages, device=dev)
@@ -93,7 +100,7 @@ def plan_on_device(query_lens: torch.Tensor, seq_lens: torch.Tensor, tables: tor
     treq = request_of(torch.minimum(t, T - 1), ends)
     real = t < T
     live = real & is_pre[treq]
-    filler = torch.argmax(is_pre.int())
+    filler = torch.argmax(is_pre.int()).view(1)  # (a 1-element index: a 0-d one would be read on the host)
     position = torch.where(real, ctx[treq] + t - starts[treq], 0)
     page = tables[treq, position // P].long()
 
