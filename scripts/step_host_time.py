@@ -35,7 +35,7 @@ import torch
 
 from flexengine import LLM, SamplingParams
 from flexengine.benchmarks.common import random_prompts
-from flexengine.engine import in_flight, llm_engine, model_runner, sampling_inputs
+from flexengine.engine import in_flight, llm_engine, sampling_inputs, step_inputs
 from flexengine.engine.logits_adjust import LogitsAdjuster
 from flexengine.layers.sampler import Sampler
 
@@ -94,7 +94,7 @@ def main() -> None:
         runner.mixed_graphs.run = timed(times["then MixedGraphRunner.run (layout planned in the graph)"],
                                         runner.mixed_graphs.run)
     runner.plan_step = timed(times["or plan_step (positions, slots, layout on the host)"], runner.plan_step)
-    model_runner.plan_layout = timed(times["  of which plan_layout"], model_runner.plan_layout)
+    step_inputs.plan_layout = timed(times["  of which plan_layout"], step_inputs.plan_layout)
     runner.prepare_step = timed(times["  then prepare_step (eager metadata)"], runner.prepare_step)
     engine = llm.llm_engine
     steps, waits = times["LLMEngine._step (a whole host step)"], times["  of which InFlightStep.wait (for the device)"]

@@ -11,14 +11,12 @@ the step before's tokens (LLMEngine._grammar_step).
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
 import time
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain
 
 import numpy as np
 import torch
@@ -26,7 +24,7 @@ import torch
 from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
 from ..attention.metadata import AttentionMetadata, build_metadata
-from ..attention.layout import StepLayout, plan_layout, split_rows_or_programs
+from ..attention.layout import split_rows_or_programs
 from ..attention.staging import to_device
 from ..compile import fused_elementwise
 from ..config import EngineConfig, resolve_device
@@ -36,7 +34,8 @@ from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_block
                         workspace_tokens_wanted)
 from .layer_mods import apply_mod_overrides, mod_params
 from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
-from .decode_inputs import DecodeTracker, pack_decode, table_entries
+from .decode_inputs import DecodeTracker, pack_decode
+from .step_inputs import PackedStep, pack_lengths, plan_step
 from .sampling_inputs import SamplingInputs
 from .in_flight import InFlightStep, feed_inputs
 from ..parallel import agree_on_min, building_for, drive_workers, shift_layer_mods, start_tensor_parallel
@@ -54,22 +53,6 @@ class StepInputs:
     meta: AttentionMetadata
     sample_seqs: list[Sequence]       # sequences that get a token this step, in row order
     sample_rows: torch.Tensor         # int64 [N]: their last token's row in the packed batch
-
-
-@dataclass
-class PackedStep:
-    """One step's inputs on the host, before any device work. pack_lengths fills the requests' part, plan_step
-    the rest (a mixed CUDA graph plans it on the device instead)."""
-    ids: np.ndarray                   # int64 [T]
-    query_lens: np.ndarray            # int64 [R]
-    tables: np.ndarray                # int32 [rows, width]
-    seq_lens: np.ndarray              # int32 [rows]; 0 for padding rows
-    sample_seqs: list[Sequence]
-    sample_rows: np.ndarray           # int64 [N]
-    last_rows: np.ndarray             # int64 [R]: each sequence's last token in the packed batch
-    positions: np.ndarray | None = None  # int64 [T], then padding (plan_step)
-    slots: np.ndarray | None = None      # int64 [T], then padding
-    layout: StepLayout | None = None
 
 
 def wants_compile(device: torch.device, enforce_eager: bool) -> bool:
@@ -177,49 +160,18 @@ class ModelRunner:
         return to_device(array, self.device)
 
     def pack_lengths(self, batch: ScheduledBatch) -> PackedStep:
-        """The scheduled tokens' ids, the requests' lengths and block tables, and which rows sample."""
-        seqs = batch.seqs
-        R = len(seqs)
-        query_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=R)
-        seq_lens = starts + query_lens
-        ids = np.fromiter(chain.from_iterable(s.token_ids[a:a + n] for s, a, n in zip(seqs, starts, query_lens)),
-                          dtype=np.int64, count=int(query_lens.sum()))
-        # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long
-        # contexts. The device side widens it where a fixed shape needs that (prepare_step).
-        row, col, page, table_lens = table_entries([s.block_table for s in seqs])
-        # With static shapes every per-request tensor the kernels read has max_num_seqs rows (padding:
-        # length 0, no pages), so the request count never changes a compiled shape.
-        rows = max(R, self.config.max_num_seqs) if self.static_shapes else R
-        tables = np.zeros((rows, int(table_lens.max())), dtype=np.int32)
-        tables[row, col] = page
-        padded_lens = np.zeros(rows, dtype=np.int32)
-        padded_lens[:R] = seq_lens
-        ends = np.cumsum(query_lens)
-        # A sequence gets a token when this step computes its last known token (its prompt is done).
-        done = np.flatnonzero(seq_lens == np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=R))
-        return PackedStep(ids, query_lens, tables, padded_lens, [seqs[i] for i in done.tolist()], ends[done] - 1,
-                          ends - 1)
+        """The scheduled tokens' ids, the requests' lengths and block tables, and which rows sample (step_inputs.py);
+        with static shapes every per-request array has max_num_seqs rows, so the request count never changes a
+        compiled shape."""
+        return pack_lengths(batch, self.config.max_num_seqs if self.static_shapes else 0)
 
     def plan_step(self, p: PackedStep) -> PackedStep:
-        """pack_lengths' step with its positions, slots and layout (plan_layout) on the host."""
-        P, query_lens = self.block_size, p.query_lens
-        R, T = len(query_lens), len(p.ids)
-        seq_lens = p.seq_lens[:R].astype(np.int64)
-        ends = p.last_rows + 1
-        req = np.repeat(np.arange(R), query_lens)
-        positions = np.repeat(seq_lens - query_lens, query_lens) + np.arange(T) - np.repeat(ends - query_lens,
-                                                                                             query_lens)
-        slots = p.tables[req, positions // P].astype(np.int64) * P + positions % P
-        layout = plan_layout(query_lens, seq_lens, **self.layout_padding(query_lens, seq_lens))
-        # Compiled flex reads the token buffer as whole prefill tiles (the eager path reads T rows as they are).
-        ids, pad = p.ids, layout.token_capacity - T if self.static_shapes else 0
-        if pad:  # padding tokens: id 0 at position 0, their K/V to the scratch page past the pool
-            scratch = (self.layers[0].k_cache.shape[0] - 1) * P
-            zeros = np.zeros(pad, dtype=np.int64)  # (np.pad took 50 µs for the three)
-            ids, positions = np.concatenate([ids, zeros]), np.concatenate([positions, zeros])
-            slots = np.concatenate([slots, np.full(pad, scratch, dtype=np.int64)])
-        return dataclasses.replace(p, ids=ids, positions=positions, slots=slots, layout=layout)
+        """pack_lengths' step with its positions, slots and layout planned on the host; with static shapes, padded
+        to whole prefill tiles (compiled flex reads the token buffer as tiles; the eager path reads T rows)."""
+        scratch_page = self.layers[0].k_cache.shape[0] - 1  # (the attached cache: a scratch one while profiling)
+        seq_lens = p.seq_lens[: len(p.query_lens)].astype(np.int64)
+        return plan_step(p, self.block_size, self.layout_padding(p.query_lens, seq_lens),
+                         scratch_page * self.block_size if self.static_shapes else None)
 
     def pack_step(self, batch: ScheduledBatch) -> PackedStep:
         """The scheduled tokens as host arrays: ids, positions, slots, block tables, lengths, layout."""

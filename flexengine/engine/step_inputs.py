@@ -1,0 +1,76 @@
+"""A step with prompt tokens on the host: the scheduled batch as arrays, before any device work.
+
+pack_lengths walks the requests once (ids, lengths, block tables, which rows sample); that is all a mixed CUDA graph
+needs, since it plans the rest on the device (attention/device_plan.py). plan_step adds what the other steps read on
+the host: each token's position and KV slot and the layout (attention/layout.plan_layout).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+
+from ..attention.layout import StepLayout, plan_layout
+from .decode_inputs import table_entries
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+@dataclass
+class PackedStep:
+    """One step's inputs on the host. pack_lengths fills the requests' part, plan_step the rest."""
+    ids: np.ndarray                   # int64 [T]
+    query_lens: np.ndarray            # int64 [R]
+    tables: np.ndarray                # int32 [rows, width]
+    seq_lens: np.ndarray              # int32 [rows]; 0 for padding rows
+    sample_seqs: list[Sequence]
+    sample_rows: np.ndarray           # int64 [N]
+    last_rows: np.ndarray             # int64 [R]: each sequence's last token in the packed batch
+    positions: np.ndarray | None = None  # int64 [T], then padding (plan_step)
+    slots: np.ndarray | None = None      # int64 [T], then padding
+    layout: StepLayout | None = None
+
+
+def pack_lengths(batch: ScheduledBatch, min_rows: int = 0) -> PackedStep:
+    """The scheduled tokens' ids, each request's lengths and block table, and which rows sample; the per-request
+    arrays have at least `min_rows` rows (padding: length 0, no pages)."""
+    seqs = batch.seqs
+    R = len(seqs)
+    query_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=R)
+    seq_lens = starts + query_lens
+    ids = np.fromiter(chain.from_iterable(s.token_ids[a:a + n] for s, a, n in zip(seqs, starts, query_lens)),
+                      dtype=np.int64, count=int(query_lens.sum()))
+    # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long contexts. The
+    # device side widens it where a fixed shape needs that (ModelRunner.prepare_step).
+    row, col, page, table_lens = table_entries([s.block_table for s in seqs])
+    rows = max(R, min_rows)
+    tables = np.zeros((rows, int(table_lens.max())), dtype=np.int32)
+    tables[row, col] = page
+    padded_lens = np.zeros(rows, dtype=np.int32)
+    padded_lens[:R] = seq_lens
+    ends = np.cumsum(query_lens)
+    # A sequence gets a token when this step computes its last known token (its prompt is done).
+    done = np.flatnonzero(seq_lens == np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=R))
+    return PackedStep(ids, query_lens, tables, padded_lens, [seqs[i] for i in done.tolist()], ends[done] - 1, ends - 1)
+
+
+def plan_step(p: PackedStep, block_size: int, padding: dict, scratch_slot: int | None) -> PackedStep:
+    """`p` with each token's position and slot and the layout (plan_layout with `padding`); with a `scratch_slot`,
+    the tokens padded to the layout's token capacity (id 0 at position 0, their K/V to that slot)."""
+    P, query_lens = block_size, p.query_lens
+    R, T = len(query_lens), len(p.ids)
+    seq_lens = p.seq_lens[:R].astype(np.int64)
+    starts = p.last_rows + 1 - query_lens  # each request's first token in the packed batch
+    req = np.repeat(np.arange(R), query_lens)
+    positions = np.repeat(seq_lens - query_lens - starts, query_lens) + np.arange(T)
+    slots = p.tables[req, positions // P].astype(np.int64) * P + positions % P
+    layout = plan_layout(query_lens, seq_lens, **padding)
+    ids, pad = p.ids, layout.token_capacity - T if scratch_slot is not None else 0
+    if pad:
+        zeros = np.zeros(pad, dtype=np.int64)  # (np.pad took 50 µs for the three)
+        ids, positions = np.concatenate([ids, zeros]), np.concatenate([positions, zeros])
+        slots = np.concatenate([slots, np.full(pad, scratch_slot, dtype=np.int64)])
+    return dataclasses.replace(p, ids=ids, positions=positions, slots=slots, layout=layout)
