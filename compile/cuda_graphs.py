@@ -152,6 +152,7 @@ class DecodeGraphRunner:
         with torch.inference_mode():  # as the ordinary step's tensors: a dispatch-key difference is a recompile
             self.bufs = DecodeBuffers(max(self.buckets), table_width, params, scratch_slot, self.device)
         self.metas: dict[int, AttentionMetadata] = {}
+        self.keys: dict[int, GraphKey] = {}
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}
         self.pool = None
@@ -161,7 +162,9 @@ class DecodeGraphRunner:
         self.bucket_seconds: dict[int, tuple[float, int]] = {}
 
     def key(self, bs: int) -> GraphKey:
-        return GraphKey(bs, self.splits[bs], self.num_blocks, self.width, tuple(self.params.items()))
+        if bs not in self.keys:  # (made once: a replay's host time is counted in µs)
+            self.keys[bs] = GraphKey(bs, self.splits[bs], self.num_blocks, self.width, tuple(self.params.items()))
+        return self.keys[bs]
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)

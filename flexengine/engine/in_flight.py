@@ -9,6 +9,7 @@ step back right after launching it, through the same object.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from ..layers.sampler import SamplerOutput
 from .prompt_logprobs import PromptLogprobs
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+
+
+_num_pending = attrgetter("num_pending")
 
 
 @dataclass
@@ -70,13 +74,15 @@ class InFlightStep:
         return spans
 
     def feed(self, seqs: list[Sequence], last_rows, device) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """(rows, token ids) on the device: the input rows (each sequence's last, at `last_rows`) whose
-        token is this step's still-pending sample, and that sample; rows None: the leading rows, one per
-        sample in order (a decode step of the same sequences, the usual case: no transfer). None when no
-        row waits on this step."""
-        if seqs == self.seqs and all(s.num_pending for s in seqs) and \
-                np.array_equal(np.asarray(last_rows), np.arange(len(seqs))):
+        """(rows, token ids) on the device: the input rows (each sequence's last, at `last_rows`; None: row i is
+        sequence i's, as in a decode step) whose token is this step's still-pending sample, and that sample; rows
+        None: the leading rows, one per sample in order (a decode step of the same sequences, the usual case: no
+        transfer). None when no row waits on this step."""
+        if seqs == self.seqs and all(map(_num_pending, seqs)) and \
+                (last_rows is None or np.array_equal(np.asarray(last_rows), np.arange(len(seqs)))):
             return None, self.out.token_ids
+        if last_rows is None:
+            last_rows = range(len(seqs))
         pairs = [(int(row), self.row_of[s.seq_id]) for s, row in zip(seqs, last_rows) if s.num_pending]
         if not pairs:
             return None

@@ -24,9 +24,11 @@ import torch
 from ..attention.backends import get_backend
 from ..attention.kv_cache import allocate_kv_cache
 from ..attention.metadata import AttentionMetadata, build_metadata
-from ..attention.layout import split_rows_or_programs
+from ..attention.layout import (Q_TILE, choose_decode_splits, segment_capacity, split_rows_or_programs,
+                                workspace_tokens)
 from ..attention.staging import to_device
-from ..compile import fused_elementwise
+from ..compile import bucket, decode_buckets, fused_elementwise, tile_bucket
+from ..compile.mixed_graphs import MAX_GRAPH_TILES, MixedKey, graph_workspace_pages
 from ..config import EngineConfig, resolve_device
 from ..layers import gemv as one_row_gemv
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
@@ -106,6 +108,7 @@ class ModelRunner:
         self.vocab_size = text_config(self.hf_config).vocab_size
         self.sampling = SamplingInputs(self.device, self.vocab_size, self.config.max_num_seqs)
         self.block_size = config.block_size
+        self.decode_buckets = decode_buckets(config.max_num_seqs)  # the decode steps' padded batch sizes
         self.mods = [(a.mask_mod, a.score_mod) for a in self.layers]
         self.mod_params = mod_params(self.mods)  # {name: its dtype, fixed here, and the mod reading it}
         self.compiled = wants_compile(self.device, config.enforce_eager)  # fused kernels and CUDA graphs
@@ -177,9 +180,8 @@ class ModelRunner:
         """The scheduled tokens as host arrays: ids, positions, slots, block tables, lengths, layout."""
         return self.plan_step(self.pack_lengths(batch))
 
-    def graph_key(self, p: PackedStep):
+    def graph_key(self, p: PackedStep) -> MixedKey | None:
         """The mixed CUDA graph that runs pack_lengths' step `p` (its layout planned on the device), or None."""
-        from ..compile.mixed_graphs import MixedKey
         seq_lens = p.seq_lens[: len(p.query_lens)]
         pad = self.layout_padding(p.query_lens, seq_lens)
         rows, kernel_splits = split_rows_or_programs(pad["decode_splits"], pad["pad_decode_to"])
@@ -215,11 +217,9 @@ class ModelRunner:
         count the decode graphs use), so no step meets a shape the warm-up did not compile."""
         if not self.static_shapes:
             return {}
-        from ..attention.layout import Q_TILE, choose_decode_splits, segment_capacity
-        from ..compile import bucket, decode_buckets, tile_bucket
         num_decode = int((query_lens == 1).sum())
         tiles = tile_bucket(-(-int(query_lens.sum()) // Q_TILE)) if num_decode < len(query_lens) else 0
-        rows = bucket(num_decode, decode_buckets(self.config.max_num_seqs)) if num_decode else 0
+        rows = bucket(num_decode, self.decode_buckets) if num_decode else 0
         return dict(pad_decode_to=rows, pad_tiles_to=tiles,
                     pad_segments_to=segment_capacity(tiles, self.config.max_num_seqs),
                     decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device),
@@ -228,8 +228,6 @@ class ModelRunner:
     def workspace_bucket(self, query_lens: np.ndarray, seq_lens: np.ndarray, tiles: int) -> int:
         """Workspace pages a step of `tiles` (padded) prefill tiles gathers: a mixed CUDA graph's fixed
         number when its contexts fit one (compile/mixed_graphs.py), else just what it needs."""
-        from ..attention.layout import workspace_tokens
-        from ..compile.mixed_graphs import MAX_GRAPH_TILES, graph_workspace_pages
         need = workspace_tokens(query_lens, seq_lens, self.block_size)
         assert need <= self.workspace_tokens, (need, self.workspace_tokens)  # the scheduler's promise
         graph = graph_workspace_pages(tiles, self.block_size, self.backend.workspace_pages)
@@ -289,7 +287,7 @@ class ModelRunner:
         """Logits of a pure decode step from the decode graphs; when the batch is the last one's moved on one
         token, only the ids and new pages go to the device (decode_inputs.py)."""
         moved = self.decode_tracker.next_step(seqs)
-        fed = self.feed(prev, seqs, range(len(seqs)))
+        fed = self.feed(prev, seqs, None)  # (None: row i is sequence i's last token)
         if moved is None:
             ids, *rest = self.prepare_decode(seqs)
             feed_inputs(ids, fed)

@@ -35,7 +35,7 @@ class SamplingInputs:
             tensors = dataclasses.replace(tensors, token_mask=fill_token_mask(seqs, tensors.grammar_rows, self.device))
         if not tensors.adjusts_logits:  # (known since the rows were set: no per-step scan)
             return tensors
-        pending = None if prev is None else prev.feed(seqs, np.arange(len(seqs)), self.device)
+        pending = None if prev is None else prev.feed(seqs, None, self.device)  # (row i: sequence i)
         adjust = self.adjuster(seqs, pending)  # the histories grew: every step
         return tensors if adjust is None else dataclasses.replace(tensors, adjust=adjust)
 
