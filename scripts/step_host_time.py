@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import functools
+import pstats
 import time
 
 import numpy as np
@@ -74,6 +76,10 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--workload", default="plain",
                    help="comma-separated, one engine for all: plain (greedy, as before), json (needs xgrammar), penalties")
+    p.add_argument("--cprofile", default=None, metavar="FILE",
+                   help="also write cProfile's statistics of the last workload's generate to FILE (pstats), and print "
+                        "its 25 functions of most own time (its table's times read high: --workload plain,plain gives "
+                        "a clean table first)")
     args = p.parse_args()
     llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "float32",
               max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks)
@@ -114,9 +120,18 @@ def main() -> None:
         params = sampling_params(workload, args.output_len, llm.llm_engine.vocab_size)
         for t in times.values():
             t.clear()  # the warm-up and graph capture (and the workload before) are not this one's steps
+        last = k == len(args.workload.split(",")) - 1
+        profile = cProfile.Profile() if args.cprofile and last else None
         start = time.perf_counter()
+        if profile is not None:
+            profile.enable()
         llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
+        if profile is not None:
+            profile.disable()
         wall = time.perf_counter() - start
+        if profile is not None:  # (under the profiler: its wall and medians read high, its shares do not)
+            profile.dump_stats(args.cprofile)
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         print(f"# {workload} | {device} | torch {torch.__version__} | {args.model} | block_size "
               f"{llm.config.block_size} | {args.num_prompts} x {args.input_len} in x {args.output_len} out, "
