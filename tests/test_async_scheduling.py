@@ -194,3 +194,36 @@ def test_steady_decode_path_changes_no_token(gpu_shaped_engines, monkeypatch):
         outs[steady] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert moved and set(moved) == {True}  # the steady path ran, and only where it was on
     assert outs[True] == outs[False]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_feed_gives_each_waiting_row_its_sample(data):
+    """InFlightStep.feed: which rows of the next step take a sample of the step in flight, and which sample,
+    against a plain walk over the rows; the same batch in order is the leading rows, with no index at all."""
+    import types
+
+    import torch
+
+    from flexengine.engine.in_flight import InFlightStep
+    prev = [types.SimpleNamespace(seq_id=100 + i, num_pending=1) for i in range(data.draw(st.integers(1, 12)))]
+    out = types.SimpleNamespace(token_ids=torch.arange(len(prev)) * 10 + 7)
+    step = InFlightStep(None, prev, out, [], None, {s.seq_id: i for i, s in enumerate(prev)})
+    assert step.feed(list(prev), None, "cpu")[0] is None  # a decode step of the same batch
+    # a changed batch: some of the sequences, in any order, some no longer waiting, and new ones
+    seqs = data.draw(st.permutations(prev)).copy()[: data.draw(st.integers(0, len(prev)))]
+    seqs += [types.SimpleNamespace(seq_id=1000 + i, num_pending=0) for i in range(data.draw(st.integers(0, 3)))]
+    seqs = data.draw(st.permutations(seqs))
+    for s in prev:
+        s.num_pending = data.draw(st.sampled_from([0, 1]))
+    last_rows = None if data.draw(st.booleans()) else sorted(data.draw(st.sets(st.integers(0, 50), min_size=len(seqs),
+                                                                                max_size=len(seqs))))
+    rows_of = range(len(seqs)) if last_rows is None else last_rows
+    want = [(row, prev.index(s) * 10 + 7) for s, row in zip(seqs, rows_of) if s.num_pending]
+    fed = step.feed(seqs, last_rows, "cpu")
+    if not want:
+        assert fed is None
+    elif fed[0] is None:  # only when the batch is the step's own, in order, every row waiting
+        assert seqs == prev and all(s.num_pending for s in seqs) and fed[1] is out.token_ids
+    else:
+        assert list(zip(fed[0].tolist(), fed[1].tolist())) == want

@@ -21,7 +21,7 @@ from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
 
-_num_pending = attrgetter("num_pending")
+_num_pending, _seq_id = attrgetter("num_pending"), attrgetter("seq_id")
 
 
 @dataclass
@@ -81,12 +81,15 @@ class InFlightStep:
         if seqs == self.seqs and all(map(_num_pending, seqs)) and \
                 (last_rows is None or np.array_equal(np.asarray(last_rows), np.arange(len(seqs)))):
             return None, self.out.token_ids
-        if last_rows is None:
-            last_rows = range(len(seqs))
-        pairs = [(int(row), self.row_of[s.seq_id]) for s, row in zip(seqs, last_rows) if s.num_pending]
-        if not pairs:
+        # (maps over the sequences, no Python frame per row: a changed decode batch of 256 took ~250 µs here)
+        waiting = np.flatnonzero(np.fromiter(map(_num_pending, seqs), dtype=np.int64, count=len(seqs)))
+        if not len(waiting):
             return None
-        index = to_device(np.asarray(pairs, dtype=np.int64).T.copy(), device)
+        index = np.empty((2, len(waiting)), dtype=np.int64)
+        index[0] = waiting if last_rows is None else np.asarray(last_rows)[waiting]
+        index[1] = np.fromiter(map(self.row_of.__getitem__, map(_seq_id, map(seqs.__getitem__, waiting.tolist()))),
+                               dtype=np.int64, count=len(waiting))
+        index = to_device(index, device)
         return index[0], self.out.token_ids.index_select(0, index[1])
 
 
