@@ -239,6 +239,8 @@ class ModelRunner:
         Every parameter a layer's mod reads is present (absent → 0: warm-up, profiling and padding rows),
         in the dtype its mod declares, so every step (and the warm-up) meets the same compiled kernel.
         """
+        if not self.mod_params:  # (most models: no per-request parameter, and no walk over the requests)
+            return {}
         given = [(s.params.attention_params or {}) if s.params is not None else {} for s in seqs]
         pad = [0] * max(0, rows - len(seqs))
         return {name: self.to_device(np.asarray([g.get(name, 0) for g in given] + pad, dtype=NUMPY_DTYPES[p.dtype]))
