@@ -47,26 +47,28 @@ class DecodeBuffers:
         self.block_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.params = {name: torch.zeros(max_bs, dtype=dtype, device=device) for name, dtype in params.items()}
-        self.scratch_slot = scratch_slot
-        # A step that moves the last one's rows on (run_moved_on, run_next), read inside the graph (move_on):
-        # [moving (0 or 1), rows n, new pages k, then k (row, column, page) triples]; and the rows' new input ids.
-        self.moves = torch.zeros(3 + 3 * max_bs, dtype=torch.long, device=device)
+        self.max_bs, self.scratch_slot = max_bs, scratch_slot
+        # What the host sends a step, in one copy, read by the graph's first kernels (take_inputs): [mode, rows n,
+        # new pages k, max_bs (row, column, page) triples | the packed batch, pack_decode's [4 + width, max_bs]].
+        # Mode 0: the buffers as they are; 1: rows 0..n-1 move one token on, fed fed_ids, after the k new pages
+        # enter the tables; 2: the packed batch replaces every row (rows past n: inert padding).
+        self.header = 3 + 3 * max_bs
+        self.inputs = torch.zeros(self.header + (4 + width) * max_bs, dtype=torch.long, device=device)
         self.fed_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
 
-    def fill(self, input_ids, positions, slot_mapping, block_tables, seq_lens, params, bs: int) -> None:
-        """Copy one step's (already on-device) inputs in; rows n..bs become inert padding."""
-        n = input_ids.shape[0]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.slot_mapping[n:bs].fill_(self.scratch_slot)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.seq_lens[n:].zero_()  # every row past n: a stale length would map its stale pages
+    def stage(self, packed: np.ndarray, n: int, params) -> None:
+        """Send a whole batch (pack_decode's array over max_bs columns, n real) for the next replay."""
+        assert packed.shape[1] == self.max_bs and packed.shape[0] <= 4 + self.block_tables.shape[1], packed.shape
+        header = np.zeros(self.header, dtype=np.int64)
+        header[:2] = 2, n
+        copy_into(np.concatenate([header, packed.ravel()]), self.inputs, self.inputs.device)
         for name, buf in self.params.items():
             assert params[name].dtype == buf.dtype, (name, params[name].dtype, buf.dtype)  # one kernel per dtype
             buf[:n].copy_(params[name])
-        self.moves[:1].zero_()  # the graph's move_on: these rows as they are
+
+    def staged_ids(self, n: int) -> torch.Tensor:
+        """The staged batch's input ids (a view), for ids known only on the device (async scheduling)."""
+        return self.inputs[self.header:self.header + n]
 
     def move_on_next(self, token_ids: torch.Tensor, new_pages: np.ndarray | None = None) -> None:
         """Make the next replay move rows 0..n-1 one token on, fed `token_ids` (the last step's samples, on the
@@ -77,27 +79,37 @@ class DecodeBuffers:
         moves[:3] = 1, n, k
         if k:
             moves[3:] = new_pages.T.ravel()
-        copy_into(moves, self.moves, self.moves.device)
+        copy_into(moves, self.inputs, self.inputs.device)
         self.fed_ids[:n].copy_(token_ids)
 
 
-def move_on(moves, fed_ids, input_ids, positions, seq_lens, block_tables, slot_mapping, block_size: int) -> None:
-    """Inside the decode graph, before its metadata (DecodeBuffers.moves): when moving, the new pages enter the
-    tables and rows 0..n-1 move one token on, fed fed_ids; else nothing changes. input_ids .. slot_mapping: the
-    bucket's rows; block_tables: every row."""
-    bs, cap = input_ids.shape[0], (moves.shape[0] - 3) // 3
-    moving = moves[0] > 0
-    entry = moves[3:].view(cap, 3)
-    new = moving & (torch.arange(cap, device=moves.device) < moves[2])
+def take_inputs(inputs, fed_ids, input_ids, positions, seq_lens, block_tables, slot_mapping, block_size: int,
+                scratch_slot: int) -> None:
+    """Inside the decode graph, before its metadata: the step's inputs from DecodeBuffers.inputs (its mode says how).
+    input_ids, positions, slot_mapping: the bucket's rows; seq_lens, block_tables: every row."""
+    bs, max_bs, width = input_ids.shape[0], seq_lens.shape[0], block_tables.shape[1]
+    header = 3 + 3 * max_bs
+    mode, n = inputs[0], inputs[1]
+    moving, filling = mode == 1, mode == 2
+    staged = inputs[header:].view(4 + width, max_bs)
+    entry = inputs[3:header].view(max_bs, 3)
+    new = moving & (torch.arange(max_bs, device=inputs.device) < inputs[2])
     # entries past k (an earlier step's) rewrite row 0's first page as it is: a new page is never a first one
     row, col = torch.where(new, entry[:, 0], 0), torch.where(new, entry[:, 1], 0)
     block_tables[row, col] = torch.where(new, entry[:, 2], block_tables[row, col].long()).int()
-    on = moving & (torch.arange(bs, device=moves.device) < moves[1])
-    input_ids.copy_(torch.where(on, fed_ids[:bs], input_ids))
-    positions.add_(on.long())
-    seq_lens.add_(on.int())
-    page = block_tables[:bs].gather(1, (positions // block_size)[:, None]).squeeze(1)
-    slot_mapping.copy_(torch.where(on, page.long() * block_size + positions % block_size, slot_mapping))
+    block_tables[:bs] = torch.where(filling, staged[4:, :bs].t().int(), block_tables[:bs])
+    every = torch.arange(max_bs, device=inputs.device)
+    moves = moving & (every < n)  # (n <= bs)
+    seq_lens.copy_(torch.where(filling, staged[3].int(), seq_lens + moves.int()))
+    rows, on = every[:bs], moves[:bs]
+    ids = torch.where(filling, staged[0, :bs], torch.where(on, fed_ids[:bs], input_ids))
+    pos = torch.where(filling, staged[1, :bs], positions + on.long())
+    page = block_tables[:bs].gather(1, (pos // block_size)[:, None]).squeeze(1)
+    slot = torch.where(on, page.long() * block_size + pos % block_size, slot_mapping)
+    slot = torch.where(filling, torch.where(rows < n, staged[2, :bs], scratch_slot), slot)
+    input_ids.copy_(ids)
+    positions.copy_(pos)
+    slot_mapping.copy_(slot)
 
 
 def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
@@ -118,7 +130,7 @@ def refresh_decode_positions(meta: AttentionMetadata) -> None:
 
 
 # On CUDA: a kernel or two each inside the decode graphs, not a launch per op.
-_compiled_move_on = compiled_on_first_use(move_on)
+_compiled_take_inputs = compiled_on_first_use(take_inputs)
 _compiled_positions = compiled_on_first_use(refresh_decode_positions)
 
 
@@ -186,9 +198,9 @@ class DecodeGraphRunner:
         meta = self.static_meta(bs)
         b = self.bufs
         with decode_regions(bs <= COMBO_UP_TO):  # small batches: the buckets whose steps are launch-bound
-            (_compiled_move_on() if b.moves.is_cuda else move_on)(
-                b.moves, b.fed_ids, b.input_ids[:bs], b.positions[:bs], b.seq_lens[:bs], b.block_tables,
-                b.slot_mapping[:bs], self.block_size)
+            (_compiled_take_inputs() if b.inputs.is_cuda else take_inputs)(
+                b.inputs, b.fed_ids, b.input_ids[:bs], b.positions[:bs], b.seq_lens, b.block_tables,
+                b.slot_mapping[:bs], self.block_size, b.scratch_slot)
             refresh_decode_metadata(meta, self.backend, self.mods)
             return self.forward_logits(self.bufs.input_ids[:bs], self.bufs.positions[:bs], meta)
 
@@ -219,12 +231,13 @@ class DecodeGraphRunner:
         self.capture_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
-    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens, params) -> torch.Tensor:
-        """Logits [n, V] for a pure decode step of n <= max bucket rows."""
-        n = input_ids.shape[0]
-        bs = self.bucket_for(n)
-        assert bs is not None and block_tables.shape[1] <= self.width, (n, block_tables.shape)
-        self.bufs.fill(input_ids, positions, slot_mapping, block_tables, seq_lens, params, bs)
+    def run(self, packed: np.ndarray, n: int, params: dict[str, torch.Tensor], feed=None) -> torch.Tensor:
+        """Logits [n, V] for a pure decode step of n <= max bucket rows, packed by pack_decode over the buffers'
+        max_bs columns; feed(input_ids) writes ids known only on the device into the staged batch."""
+        assert self.bucket_for(n) is not None and packed.shape[0] - 4 <= self.width, (n, packed.shape)
+        self.bufs.stage(packed, n, params)
+        if feed is not None:
+            feed(self.bufs.staged_ids(n))
         return self.replay(n)
 
     @torch.inference_mode()

@@ -6,9 +6,9 @@ Runs an offline workload through `LLM.generate` and times, per step, the host fu
 scheduled batch into device inputs (medians and p90 over the steps of each kind, µs):
 - decode steps from a CUDA graph: `decode_from_graphs`, the whole host side of one (the page map, page
   lists and BlockMasks are built inside the graph). Of it: `DecodeTracker.next_step` (is the batch the
-  last one moved on?), then either `prepare_decode` (ids, positions, slots, lengths, tables: one copy)
-  and `DecodeGraphRunner.run` (copies into the graph's buffers, replay), or, in the steady state,
-  `DecodeGraphRunner.run_moved_on` (the ids and new pages, the buffers advance on the device, replay);
+  last one moved on?), then either `run_decode_graph` (ids, positions, slots, lengths, tables packed into one
+  copy that the graph unpacks, then the replay) or, in the steady state, `DecodeGraphRunner.run_moved_on`
+  (the ids and new pages; the graph moves its buffers on, then the replay);
 - steps with prompt tokens: `pack_lengths` (ids, each request's lengths, the block tables), then from a mixed
   graph `graph_key` and `MixedGraphRunner.run` (one packed copy of ids and lengths, the tables, the replay: the
   layout, positions, slots and metadata are planned inside the graph, attention/device_plan.py);
@@ -88,10 +88,11 @@ def main() -> None:
     # (the table lists them in this order: each step kind, then what it is made of)
     runner.decode_from_graphs = timed(times["decode_from_graphs (a whole decode step)"], runner.decode_from_graphs)
     runner.decode_tracker.next_step = timed(times["  of which DecodeTracker.next_step"], runner.decode_tracker.next_step)
-    runner.prepare_decode = timed(times["  of which prepare_decode"], runner.prepare_decode)
+    runner.run_decode_graph = timed(times["  of which run_decode_graph (a whole batch packed, staged, replayed)"],
+                                    runner.run_decode_graph)
     if runner.decode_graphs is not None:
         graphs = runner.decode_graphs
-        graphs.run = timed(times["  of which DecodeGraphRunner.run"], graphs.run)
+        graphs.run = timed(times["    of which DecodeGraphRunner.run (staged, replayed)"], graphs.run)
         graphs.run_moved_on = timed(times["  of which DecodeGraphRunner.run_moved_on"], graphs.run_moved_on)
     runner.pack_lengths = timed(times["pack_lengths (steps with prompt tokens: ids, lengths, tables)"],
                                 runner.pack_lengths)

@@ -10,6 +10,7 @@ from flexengine.compile import compile_count
 from flexengine.compile import decode_buckets
 from flexengine.compile.cuda_graphs import DecodeGraphRunner
 from flexengine.compile.mixed_graphs import MixedGraphRunner, MixedKey
+from flexengine.engine.decode_inputs import pack_decode
 from flexengine.engine.scheduler import ScheduledBatch
 from flexengine.engine.sequence import Sequence
 
@@ -46,7 +47,7 @@ def test_static_buffer_decode_matches_the_ordinary_step():
         with torch.inference_mode():
             inputs = r.prepare_step(ScheduledBatch(seqs, [1] * len(seqs)))
             expected = r.forward_logits(inputs.input_ids, inputs.positions, inputs.meta)
-            got = g.run(*r.prepare_decode(seqs))
+            got = g.run(pack_decode(seqs, r.block_size, columns=g.bufs.max_bs), len(seqs), {})
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -436,7 +437,7 @@ def count_graph_passes(runner) -> list:
     """Wrap the decode-graph runner's three entry points; returns the list each pass appends to."""
     passes, graphs = [], runner.decode_graphs
     run, run_next, run_moved_on = graphs.run, graphs.run_next, graphs.run_moved_on
-    graphs.run = lambda *a: passes.append("run") or run(*a)
+    graphs.run = lambda *a, **kw: passes.append("run") or run(*a, **kw)
     graphs.run_next = lambda *a: passes.append("next") or run_next(*a)
     graphs.run_moved_on = lambda *a: passes.append("moved") or run_moved_on(*a)
     return passes
@@ -492,46 +493,70 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines):
     assert len(set(met)) >= 4  # several decode buckets beside prompts
 
 
-def test_compiled_move_on_and_rotary_tables_equal_eager(monkeypatch, tmp_path):
-    """What the CUDA engine runs through Inductor inside the decode graphs (here Inductor on the CPU): the buffers'
-    move by one token with the new pages (one dynamic graph for one row, one for several; a still step changes
-    nothing) and rotary's cos/sin (one kernel a step) give what the eager code gives."""
+def test_compiled_take_inputs_and_rotary_tables_equal_eager(monkeypatch, tmp_path):
+    """What the CUDA engine runs through Inductor inside the decode graphs (here Inductor on the CPU): the step's
+    inputs taken from the one staged buffer (a still step changes nothing, a moving one moves rows on by one token
+    with their new pages, a filling one replaces every row; one dynamic graph for one row, one for several) and
+    rotary's cos/sin (one kernel a step) give what the eager code gives, and what the modes mean."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cached graph brings its old guards
     from flexengine.compile import compile_count, configure_dynamo, reset_fused, set_fused_elementwise
-    from flexengine.compile.cuda_graphs import move_on
+    from flexengine.compile.cuda_graphs import DecodeBuffers, take_inputs
     from flexengine.layers.rotary import cos_sin, default_inv_freq
     torch._dynamo.reset()
     configure_dynamo()
-    compiled = torch.compile(move_on, dynamic=True, fullgraph=True)
+    compiled = torch.compile(take_inputs, dynamic=True, fullgraph=True)
     g = torch.Generator().manual_seed(0)
+    max_bs, width, scratch, P = 12, 6, 999, 16
     before = compile_count()
-    for n, k, moving in ((1, 1, 1), (2, 0, 1), (5, 3, 1), (9, 2, 1), (5, 2, 0)):
-        bs, cap = n + 1, 12
-        tables = torch.randint(0, 50, (cap, 6), generator=g, dtype=torch.int32)
-        state = [torch.randint(0, 90, (bs,), generator=g), torch.randint(0, 60, (bs,), generator=g),
-                 torch.randint(1, 90, (bs,), generator=g, dtype=torch.int32), tables,
-                 torch.zeros(bs, dtype=torch.long)]
-        moves = torch.randint(1, 6, (3 + 3 * cap,), generator=g)  # stale entries past k
-        moves[:3] = torch.tensor([moving, n, k])
-        rows = torch.randperm(n, generator=g)[:k]
-        moves[3:3 + 3 * k] = torch.stack([rows, torch.randint(1, 6, (k,), generator=g),
-                                          torch.randint(100, 200, (k,), generator=g)], 1).flatten()
-        fed = torch.randint(0, 1000, (cap,), generator=g)
+    for n, k, mode in ((1, 1, 1), (2, 0, 1), (5, 3, 1), (9, 2, 1), (5, 2, 0), (3, 0, 2), (1, 0, 2), (9, 0, 2)):
+        bs = n + 1
+        bufs = DecodeBuffers(max_bs, width, {}, scratch, "cpu")
+        bufs.input_ids.copy_(torch.randint(0, 90, (max_bs,), generator=g))
+        bufs.positions.copy_(torch.randint(0, 60, (max_bs,), generator=g))
+        bufs.seq_lens.copy_(torch.randint(1, 90, (max_bs,), generator=g, dtype=torch.int32))
+        bufs.block_tables.copy_(torch.randint(0, 50, (max_bs, width), generator=g, dtype=torch.int32))
+        bufs.inputs.copy_(torch.randint(1, 6, bufs.inputs.shape, generator=g))  # stale entries everywhere
+        if mode == 2:
+            seqs = [fake_seq(i, int(torch.randint(1, width * P, (1,), generator=g)),
+                             torch.randint(0, 50, (width,), generator=g).tolist()) for i in range(n)]
+            for s_ in seqs:
+                s_.block_table = s_.block_table[: -(-s_.num_tokens // P)]
+            packed = pack_decode(seqs, P, columns=max_bs)
+            bufs.stage(packed, n, {})
+        else:
+            bufs.inputs[:3] = torch.tensor([mode, n, k])
+            rows = torch.randperm(n, generator=g)[:k]
+            bufs.inputs[3:3 + 3 * k] = torch.stack([rows, torch.randint(1, 6, (k,), generator=g),
+                                                    torch.randint(100, 200, (k,), generator=g)], 1).flatten()
+        bufs.fed_ids.copy_(torch.randint(0, 1000, (max_bs,), generator=g))
+        state = [bufs.input_ids[:bs], bufs.positions[:bs], bufs.seq_lens, bufs.block_tables, bufs.slot_mapping[:bs]]
+        before_state = [t.clone() for t in state]
         want, got = [t.clone() for t in state], [t.clone() for t in state]
-        move_on(moves, fed, *want[:3], want[3], want[4], 16)
-        compiled(moves, fed, *got[:3], got[3], got[4], 16)
-        assert all(torch.equal(a, b) for a, b in zip(want, got)), n
-        if not moving:
-            assert all(torch.equal(a, b) for a, b in zip(want, state))
-            continue
-        expect_tables = state[3].clone()
-        for r, c, p in moves[3:3 + 3 * k].view(k, 3).tolist():
-            expect_tables[r, c] = p
-        assert torch.equal(want[3], expect_tables)
-        assert torch.equal(want[0][:n], fed[:n]) and torch.equal(want[0][n:], state[0][n:])
-        assert torch.equal(want[1][:n], state[1][:n] + 1) and torch.equal(want[1][n:], state[1][n:])
-        page = expect_tables[torch.arange(n), want[1][:n] // 16]
-        assert torch.equal(want[4][:n], page.long() * 16 + want[1][:n] % 16)
+        take_inputs(bufs.inputs, bufs.fed_ids, *want, P, scratch)
+        compiled(bufs.inputs, bufs.fed_ids, *got, P, scratch)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), (n, mode)
+        ids, pos, lens, tables, slots = want
+        if mode == 0:
+            assert all(torch.equal(a, b) for a, b in zip(want, before_state))
+        elif mode == 1:
+            expect_tables = before_state[3].clone()
+            for r, c, p in bufs.inputs[3:3 + 3 * k].view(k, 3).tolist():
+                expect_tables[r, c] = p
+            assert torch.equal(tables, expect_tables)
+            assert torch.equal(ids[:n], bufs.fed_ids[:n]) and torch.equal(ids[n:], before_state[0][n:])
+            assert torch.equal(pos[:n], before_state[1][:n] + 1) and torch.equal(pos[n:], before_state[1][n:])
+            assert torch.equal(lens[:n], before_state[2][:n] + 1) and torch.equal(lens[n:], before_state[2][n:])
+            page = expect_tables[torch.arange(n), pos[:n] // P]
+            assert torch.equal(slots[:n], page.long() * P + pos[:n] % P)
+        else:  # the ordinary pack, row by row; every row past n inert (length 0, the scratch slot)
+            assert torch.equal(ids[:n], torch.tensor([s_.token_ids[-1] for s_ in seqs]))
+            assert torch.equal(pos[:n], torch.tensor([s_.num_tokens - 1 for s_ in seqs]))
+            assert lens[:n].tolist() == [s_.num_tokens for s_ in seqs] and not lens[n:].any()
+            for i, s_ in enumerate(seqs):
+                assert tables[i, : len(s_.block_table)].tolist() == s_.block_table
+                q = s_.num_tokens - 1
+                assert slots[i] == s_.block_table[q // P] * P + q % P
+            assert (slots[n:] == scratch).all()
     assert compile_count() - before <= 3
     reset_fused()
     positions, inv_freq = torch.arange(0, 3000, 37), default_inv_freq(64, 500000.0)

@@ -28,17 +28,18 @@ def last_tokens(seqs) -> np.ndarray:
     return np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
 
 
-def pack_decode(seqs, block_size: int) -> np.ndarray:
-    """[4 + width, R] int64: ids, positions, slots, lengths, then the block tables transposed (a column per
-    request, only as wide as the longest table; columns past a request's last page are never read)."""
+def pack_decode(seqs, block_size: int, columns: int = 0) -> np.ndarray:
+    """[4 + width, max(R, columns)] int64: ids, positions, slots, lengths, then the block tables transposed (a
+    column per request, only as wide as the longest table; columns past a request's last page are never read);
+    columns past R are zeros."""
     P, R = block_size, len(seqs)
     row, col, page, lens = table_entries([s.block_table for s in seqs])
-    packed = np.zeros((4 + int(lens.max()), R), dtype=np.int64)
+    packed = np.zeros((4 + int(lens.max()), max(R, columns)), dtype=np.int64)
     packed[4 + col, row] = page
-    pos = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=R) - 1
-    packed[0] = last_tokens(seqs)
-    packed[1], packed[3] = pos, pos + 1
-    packed[2] = packed[4 + pos // P, np.arange(R)] * P + pos % P
+    pos = np.fromiter(map(len, map(_token_ids, seqs)), dtype=np.int64, count=R) - 1
+    packed[0, :R] = last_tokens(seqs)
+    packed[1, :R], packed[3, :R] = pos, pos + 1
+    packed[2, :R] = packed[4 + pos // P, np.arange(R)] * P + pos % P
     return packed
 
 

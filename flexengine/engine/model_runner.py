@@ -280,10 +280,12 @@ class ModelRunner:
         """{per-request parameter: its dtype}, sorted by name: what a CUDA graph's static buffers hold."""
         return {name: p.dtype for name, p in sorted(self.mod_params.items())}
 
-    def prepare_decode(self, seqs: list[Sequence]):
-        """Pure decode: ids, positions, slots, lengths and tables in ONE host→device copy (decode_inputs.py)."""
-        dev = self.to_device(pack_decode(seqs, self.block_size))
-        return dev[0], dev[1], dev[2], dev[4:].T.int(), dev[3].int(), self.attention_params(seqs)
+    def run_decode_graph(self, seqs: list[Sequence], feed=None) -> torch.Tensor:
+        """A whole decode batch from the decode graphs: ids, positions, slots, lengths and tables in ONE host→device
+        copy (decode_inputs.pack_decode), which the graph unpacks itself (cuda_graphs.take_inputs)."""
+        g = self.decode_graphs
+        packed = pack_decode(seqs, self.block_size, columns=g.bufs.max_bs)
+        return g.run(packed, len(seqs), self.attention_params(seqs), feed=feed)
 
     def decode_from_graphs(self, seqs: list[Sequence], prev: InFlightStep | None) -> torch.Tensor:
         """Logits of a pure decode step from the decode graphs; when the batch is the last one's moved on one
@@ -291,9 +293,7 @@ class ModelRunner:
         moved = self.decode_tracker.next_step(seqs)
         fed = self.feed(prev, seqs, None)  # (None: row i is sequence i's last token)
         if moved is None:
-            ids, *rest = self.prepare_decode(seqs)
-            feed_inputs(ids, fed)
-            return self.decode_graphs.run(ids, *rest)
+            return self.run_decode_graph(seqs, feed=partial(feed_inputs, fed=fed))
         if fed is not None and fed[0] is None and len(fed[1]) == len(seqs):
             # every row's input is the last step's sample, on the device (async scheduling's steady state):
             # the buffers take it as it is, with no placeholder ids sent and overwritten
@@ -354,7 +354,7 @@ class ModelRunner:
         assert self.decode_with_graphs(batch), "a multi-step batch the decode graphs cannot run"
         self.decode_tracker.forget()  # run_next moves the buffers on num_steps times
         sampling = self.sampling.tensors(batch.seqs)
-        tokens = [self.sampler(self.decode_graphs.run(*self.prepare_decode(batch.seqs)), sampling).token_ids]
+        tokens = [self.sampler(self.run_decode_graph(batch.seqs), sampling).token_ids]
         for k in range(1, batch.num_steps):
             step_k = self.sampling.step_on(sampling, batch.seqs, tokens[-1], k)  # penalties see the tokens so far
             tokens.append(self.sampler(self.decode_graphs.run_next(tokens[-1]), step_k).token_ids)

@@ -127,13 +127,12 @@ def drive_workers(runner, pool) -> None:
 def wrap_decode_graphs(graphs, pool, announce) -> None:
     run, run_next, run_moved_on = graphs.run, graphs.run_next, graphs.run_moved_on
 
-    def run_tp(input_ids, positions, slot_mapping, block_tables, seq_lens, params):
+    def run_tp(packed, n, params, feed=None):
         with pool.step() as outermost:
-            if outermost:
+            if outermost:  # the packed batch: a host array, pickled (rank 0's ids reach the workers in the model)
                 names = sorted(params)
-                announce(("decode", input_ids.shape[0], names),
-                         [positions, slot_mapping, block_tables, seq_lens, *(params[n] for n in names)])
-            return run(input_ids, positions, slot_mapping, block_tables, seq_lens, params)
+                announce(("decode", packed, n, names), [params[name] for name in names])
+            return run(packed, n, params, feed=feed)
 
     def run_next_tp(token_ids):
         with pool.step() as outermost:

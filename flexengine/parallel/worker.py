@@ -65,10 +65,8 @@ def serve_steps(runner, tp, conn=None) -> None:
         elif kind == "logits":
             runner.model.compute_logits(tensors[0])
         elif kind == "decode":
-            n, names = args
-            positions, slots, tables, seq_lens, *values = tensors
-            ids = torch.zeros(n, dtype=torch.int64, device=device)
-            runner.decode_graphs.run(ids, positions, slots, tables, seq_lens, dict(zip(names, values)))
+            packed, n, names = args
+            runner.decode_graphs.run(packed, n, dict(zip(names, tensors)))
         elif kind == "decode_next":
             runner.decode_graphs.run_next(torch.zeros(args[0], dtype=torch.int64, device=device))
         elif kind == "decode_moved":
