@@ -3,8 +3,8 @@ where the batch is the last decode step's one token on, only what changed.
 
 Packing 256 requests' ids, positions, slots, lengths and block tables took 405 µs of host time per decode
 step on the H100 box (docs/benchmarks.md, session 13). When the batch has not changed, the decode graphs'
-buffers already hold all of it one token back: they move on by themselves on the device
-(compile/cuda_graphs.move_on, inside the graph, as multi-step decode does), and the host sends only the input ids and the pages
+buffers already hold all of it one token back: they move on by themselves on the device (compile/cuda_graphs.py's
+take_inputs, inside the graph, as multi-step decode does), and the host sends only the input ids and the pages
 appended since (vLLM keeps a persistent batch for the same reason).
 """
 from __future__ import annotations
@@ -24,6 +24,9 @@ def table_entries(tables: list[list[int]]):
     return row, col, np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=len(row)), lens
 
 
+_block_table, _token_ids = attrgetter("block_table"), attrgetter("token_ids")
+
+
 def last_tokens(seqs) -> np.ndarray:
     return np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
 
@@ -41,9 +44,6 @@ def pack_decode(seqs, block_size: int, columns: int = 0) -> np.ndarray:
     packed[1, :R], packed[3, :R] = pos, pos + 1
     packed[2, :R] = packed[4 + pos // P, np.arange(R)] * P + pos % P
     return packed
-
-
-_block_table, _token_ids = attrgetter("block_table"), attrgetter("token_ids")
 
 
 @dataclass

@@ -189,7 +189,7 @@ class ModelRunner:
                        pad["pad_workspace_to"], kernel_splits)
         return key if self.mixed_graphs.fits(key) else None
 
-    def run_mixed_graph(self, p: PackedStep, key, seqs: list[Sequence], feed=None) -> torch.Tensor:
+    def run_mixed_graph(self, p: PackedStep, key: MixedKey, seqs: list[Sequence], feed=None) -> torch.Tensor:
         """The hidden states of pack_lengths' step `p` from the mixed graph of `key` (graph_key)."""
         query_lens = np.zeros(len(p.seq_lens), dtype=np.int64)  # as the other per-request arrays: every row
         query_lens[: len(p.query_lens)] = p.query_lens
