@@ -12,7 +12,10 @@
 # a first start with empty compile caches, then a second that reads them), metadata_probe
 # (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
 # (scripts/step_host_time.py: host time of each step's inputs), host_mixed (the same at a 2,048-token budget, so the
-# steps with prompt tokens run from the mixed graphs, with a cProfile of the run), host_sampling (the same for issue 20's JSON and
+# steps with prompt tokens run from the mixed graphs, with a cProfile of the run), host_base (host_mixed's table for
+# the commit archived in .base.tgz, `git archive REV | gzip > .base.tgz`, carried (run's carry: [".base.tgz"]), on
+# the same box; then this tree again),
+# host_sampling (the same for issue 20's JSON and
 # penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
@@ -152,6 +155,12 @@ for stage in ${*:-tests attention compare latency}; do
     host) model && step step_host_time 150 python3 scripts/step_host_time.py --model "$MODEL_DIR" ;;  # issue 15, item 3
     host_mixed) model && step step_host_time_mixed 150 python3 scripts/step_host_time.py --model "$MODEL_DIR" \
              --max-num-batched-tokens 2048 --workload plain,plain --cprofile "$OUT/host_mixed.pstats" ;;  # mixed graphs
+    host_base) model && [[ -f .base.tgz ]] || { echo "host_base: no .base.tgz (git archive REV | gzip > .base.tgz)"; continue; }
+           rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .base.tgz -C /tmp/base  # host_mixed's run on the base
+           python3 -m pip install -q --no-deps --no-build-isolation -e /tmp/base >>"$OUT/install.log" 2>&1
+           step step_host_time_mixed_base 150 python3 /tmp/base/scripts/step_host_time.py --model "$MODEL_DIR" \
+             --max-num-batched-tokens 2048  # (the base's own script and timers)
+           python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 ;;
     host_sampling) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1  # (xgrammar, as sampling's)
            # issue 20: is a JSON or penalised step bound by the host or the device? One engine, 256 x 256 x 64 each
            step step_host_sampling 300 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 \
