@@ -117,9 +117,13 @@ class MixedGraphRunner:
 
     def fits(self, key: MixedKey) -> bool:
         """Up to max_tiles prefill tiles, with the graph's workspace (the runner pads a step to it when its
-        contexts fit): a step that prefills over a longer cached prefix has long kernels, and runs without."""
-        return 0 < key.num_tiles <= self.max_tiles and key.workspace_pages == graph_workspace_pages(
-            key.num_tiles, self.block_size, self.workspace_pages)
+        contexts fit): a step that prefills over a longer cached prefix has long kernels, and runs without.
+        And within the device plan's capacity (split-KV rows are chosen again at each step, from the environment)."""
+        cap = self.capacity
+        return (0 < key.num_tiles <= self.max_tiles and key.workspace_pages == graph_workspace_pages(
+                key.num_tiles, self.block_size, self.workspace_pages)
+                and key.num_decode <= cap.decode_requests and key.num_decode * key.splits <= cap.decode_rows
+                and key.num_segments <= cap.segments)
 
     def forward(self, key: MixedKey) -> torch.Tensor:
         """The step over the static buffers: the plan and the metadata on the device, then the model."""

@@ -114,6 +114,10 @@ def test_static_buffer_mixed_step_matches_the_ordinary_step():
         keys.add(key)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert len(keys) < len(steps), "no step reused a key's buffers"
+    # a key past the device plan's capacity (split rows chosen again from the environment) runs without a graph
+    import dataclasses
+    assert not g.fits(dataclasses.replace(key, num_decode=g.capacity.decode_requests + 1))
+    assert not g.fits(dataclasses.replace(key, splits=g.capacity.decode_rows + 1, num_decode=1))
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
