@@ -120,9 +120,9 @@ class IncrementalDetokenizer:
         incremental decoder must see to hold back a character the prompt leaves unfinished (at most 3 bytes),
         instead of the whole prompt's (scripts/add_request_time.py: admitting 65,536 tokens 9.6 -> 4.1 ms with
         the id checks)."""
-        tail, n, pieces = [], 0, self.pieces
+        tail, n, pieces, known = [], 0, self.pieces, len(self.pieces)
         for i in reversed(self.ids):  # (ids without bytes, as a random prompt's past a small tokenizer, are skipped
-            piece = pieces[i] if i < len(pieces) else b""  # at a lookup each: all 256 of one took 88 µs before)
+            piece = pieces[i] if i < known else b""  # at a lookup each: all 256 of one took 88 µs before)
             if piece:
                 tail.append(piece)
                 n += len(piece)
