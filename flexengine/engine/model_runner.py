@@ -168,22 +168,26 @@ class ModelRunner:
         compiled shape."""
         return pack_lengths(batch, self.config.max_num_seqs if self.static_shapes else 0)
 
-    def plan_step(self, p: PackedStep) -> PackedStep:
+    def step_padding(self, p: PackedStep) -> dict:
+        """layout_padding of pack_lengths' step `p`."""
+        return self.layout_padding(p.query_lens, p.seq_lens[: len(p.query_lens)].astype(np.int64))
+
+    def plan_step(self, p: PackedStep, padding: dict | None = None) -> PackedStep:
         """pack_lengths' step with its positions, slots and layout planned on the host; with static shapes, padded
-        to whole prefill tiles (compiled flex reads the token buffer as tiles; the eager path reads T rows)."""
+        to whole prefill tiles (compiled flex reads the token buffer as tiles; the eager path reads T rows).
+        padding: step_padding(p), when the caller has it."""
         scratch_page = self.layers[0].k_cache.shape[0] - 1  # (the attached cache: a scratch one while profiling)
-        seq_lens = p.seq_lens[: len(p.query_lens)].astype(np.int64)
-        return plan_step(p, self.block_size, self.layout_padding(p.query_lens, seq_lens),
+        return plan_step(p, self.block_size, self.step_padding(p) if padding is None else padding,
                          scratch_page * self.block_size if self.static_shapes else None)
 
     def pack_step(self, batch: ScheduledBatch) -> PackedStep:
         """The scheduled tokens as host arrays: ids, positions, slots, block tables, lengths, layout."""
         return self.plan_step(self.pack_lengths(batch))
 
-    def graph_key(self, p: PackedStep) -> MixedKey | None:
-        """The mixed CUDA graph that runs pack_lengths' step `p` (its layout planned on the device), or None."""
-        seq_lens = p.seq_lens[: len(p.query_lens)]
-        pad = self.layout_padding(p.query_lens, seq_lens)
+    def graph_key(self, p: PackedStep, pad: dict | None = None) -> MixedKey | None:
+        """The mixed CUDA graph that runs pack_lengths' step `p` (its layout planned on the device), or None.
+        pad: step_padding(p), when the caller has it."""
+        pad = self.step_padding(p) if pad is None else pad
         rows, kernel_splits = split_rows_or_programs(pad["decode_splits"], pad["pad_decode_to"])
         key = MixedKey(pad["pad_decode_to"], rows, pad["pad_tiles_to"], pad["pad_segments_to"],
                        pad["pad_workspace_to"], kernel_splits)
@@ -325,12 +329,13 @@ class ModelRunner:
             return Forwarded(batch.seqs, self.decode_from_graphs(batch.seqs, prev), None)
         self.decode_tracker.forget()  # (the graphs' buffers stay as they are, but the batch moves on without them)
         p = self.pack_lengths(batch)
-        key = self.graph_key(p) if self.mixed_graphs is not None else None
+        pad = self.step_padding(p)  # (once: the graph's key, or else the host plan)
+        key = self.graph_key(p, pad) if self.mixed_graphs is not None else None
         if key is not None:  # a step with prompt tokens, from a graph
             hidden = self.run_mixed_graph(p, key, batch.seqs,
                                           feed=partial(feed_inputs, fed=self.feed(prev, batch.seqs, p.last_rows)))
         else:
-            p = self.plan_step(p)
+            p = self.plan_step(p, pad)
             inputs = self.prepare_step(batch, packed=p)
             feed_inputs(inputs.input_ids, self.feed(prev, batch.seqs, p.last_rows))
             hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
