@@ -37,6 +37,9 @@ class GraphKey:
     params: tuple[tuple[str, torch.dtype], ...]
 
 
+STILL, MOVE, FILL = 0, 1, 2  # what a decode graph's take_inputs does with its staged inputs (DecodeBuffers.inputs)
+
+
 class DecodeBuffers:
     """Static inputs for the largest bucket; a bucket uses the leading rows."""
 
@@ -50,8 +53,8 @@ class DecodeBuffers:
         self.max_bs, self.scratch_slot = max_bs, scratch_slot
         # What the host sends a step, in one copy, read by the graph's first kernels (take_inputs): [mode, rows n,
         # new pages k, max_bs (row, column, page) triples | the packed batch, pack_decode's [4 + width, max_bs]].
-        # Mode 0: the buffers as they are; 1: rows 0..n-1 move one token on, fed fed_ids, after the k new pages
-        # enter the tables; 2: the packed batch replaces every row (rows past n: inert padding).
+        # STILL: the buffers as they are; MOVE: rows 0..n-1 move one token on, fed fed_ids, after the k new pages
+        # enter the tables; FILL: the packed batch replaces every row (rows past n: inert padding).
         self.header = 3 + 3 * max_bs
         self.inputs = torch.zeros(self.header + (4 + width) * max_bs, dtype=torch.long, device=device)
         self.fed_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
@@ -60,7 +63,7 @@ class DecodeBuffers:
         """Send a whole batch (pack_decode's array over max_bs columns, n real) for the next replay."""
         assert packed.shape[1] == self.max_bs and packed.shape[0] <= 4 + self.block_tables.shape[1], packed.shape
         header = np.zeros(self.header, dtype=np.int64)
-        header[:2] = 2, n
+        header[:2] = FILL, n
         copy_into(np.concatenate([header, packed.ravel()]), self.inputs, self.inputs.device)
         for name, buf in self.params.items():
             assert params[name].dtype == buf.dtype, (name, params[name].dtype, buf.dtype)  # one kernel per dtype
@@ -76,7 +79,7 @@ class DecodeBuffers:
         n, k = token_ids.shape[0], 0 if new_pages is None else new_pages.shape[1]
         assert k <= n and (k == 0 or new_pages[1].min() > 0), (k, n)  # one page a row at most, never a first one
         moves = np.empty(3 + 3 * k, dtype=np.int64)
-        moves[:3] = 1, n, k
+        moves[:3] = MOVE, n, k
         if k:
             moves[3:] = new_pages.T.ravel()
         copy_into(moves, self.inputs, self.inputs.device)
@@ -90,7 +93,7 @@ def take_inputs(inputs, fed_ids, input_ids, positions, seq_lens, block_tables, s
     bs, max_bs, width = input_ids.shape[0], seq_lens.shape[0], block_tables.shape[1]
     header = 3 + 3 * max_bs
     mode, n = inputs[0], inputs[1]
-    moving, filling = mode == 1, mode == 2
+    moving, filling = mode == MOVE, mode == FILL
     staged = inputs[header:].view(4 + width, max_bs)
     entry = inputs[3:header].view(max_bs, 3)
     new = moving & (torch.arange(max_bs, device=inputs.device) < inputs[2])
@@ -202,7 +205,7 @@ class DecodeGraphRunner:
                 b.inputs, b.fed_ids, b.input_ids[:bs], b.positions[:bs], b.seq_lens, b.block_tables,
                 b.slot_mapping[:bs], self.block_size, b.scratch_slot)
             refresh_decode_metadata(meta, self.backend, self.mods)
-            return self.forward_logits(self.bufs.input_ids[:bs], self.bufs.positions[:bs], meta)
+            return self.forward_logits(b.input_ids[:bs], b.positions[:bs], meta)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
