@@ -23,7 +23,7 @@
 # small_batch_leads (at SMALL_BATCHES, default "8 32": the default, scripts/kv_write_autotune.py,
 # FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel),
 # decode_tiles (flex's decode tile options, DECODE_VARIANTS of scripts/decode_step_probe.py: the attention
-# table's decode rows, then bench latency at SMALL_BATCHES, for each), decode_variants (bench latency at SMALL_BATCHES
+# table's decode rows (with ATTN_ARGS, e.g. "--head-dim 64 --decode-cases 32x256,32x4096"), then bench latency at SMALL_BATCHES, for each), decode_variants (bench latency at SMALL_BATCHES
 # for each of DECODE_STEP_VARIANTS, decode_step_probe.py's option lists; default "default default,combo_up_to=32": combo
 # kernels in the batch-1 graph only, then up to batch 32), throughput_tiles (256^3 bench throughput per
 # THROUGHPUT_VARIANTS of decode_step_probe.py, default "none default": flex's own decode tiles, then the engine's), pdl (FLEXENGINE_PDL off and on: latency at batch 1, 8, 32 (PDL_BATCHES) and 256^3
@@ -196,7 +196,8 @@ for stage in ${*:-tests attention compare latency}; do
              step "latency_one_row_${i}_${parts//,/+}" 150 python3 scripts/one_row_parts.py ${parts/none/} -- \
                $(latency_4k 1); done ;;  # issue 16: batch 1 with and without layers/gemv.py
     decode_tiles) model && for o in ${DECODE_VARIANTS:-none num_stages=3 num_stages=3,num_warps=4}; do  # flex's decode tiles
-             step "attention_decode_${o//,/+}" 120 python3 scripts/decode_step_probe.py "$o" -- attention --decode-only
+             step "attention_decode_${o//,/+}" 120 python3 scripts/decode_step_probe.py "$o" -- attention --decode-only \
+               ${ATTN_ARGS:-}
              for b in ${SMALL_BATCHES:-8 32}; do step "latency_b${b}_decode_${o//,/+}" 120 python3 \
                scripts/decode_step_probe.py "$o" -- latency $(latency_4k "$b"); done; done ;;
     decode_variants) model && for b in ${SMALL_BATCHES:-8 32}; do for o in ${DECODE_STEP_VARIANTS:-default default,combo_up_to=32}; do

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--score", default=None, help="a score mod: softcap:C, alibi, or a registered name (default none)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--decode-only", action="store_true", help="only the decode rows (a quick check of the decode kernel)")
+    p.add_argument("--decode-cases", default=None, metavar="BxCTX,...",
+                   help="the decode rows, as batch x context pairs (default: " +
+                        ",".join(f"{b}x{c}" for b, c in DECODE) + ")")
 
 
 def user_causal(b, h, q_idx, kv_idx):
@@ -147,6 +150,14 @@ def sdpa_decode(B, ctx, Hq, Hkv, D, device):
         return bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
 
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """"32x256,8x8192" -> [(32, 256), (8, 8192)]."""
+    cases = [item.lower().split("x") for item in text.split(",") if item]
+    if not cases or any(len(c) != 2 or not all(n.isdigit() for n in c) for c in cases):
+        raise SystemExit(f"--decode-cases: expected BATCHxCONTEXT pairs such as 32x256,8x8192, got {text!r}")
+    return [(int(b), int(c)) for b, c in cases]
+
+
 def sdpa_prefill(N, L, Hq, Hkv, D, device):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q = torch.randn(N, Hq, L, D, device=device, dtype=torch.bfloat16)
@@ -168,7 +179,7 @@ def main(args) -> int:
     head = "| case | floor | SDPA flash | " + " | ".join(f"flex p{p} | ratio p{p} | meta p{p}" for p in args.page_sizes) + " |"
     print(head)
     print("|" + "---|" * (3 + 3 * len(args.page_sizes)))
-    for B, ctx in DECODE:
+    for B, ctx in parse_cases(args.decode_cases) if args.decode_cases else DECODE:
         floor = B * ctx * Hkv * D * 2 * 2 / HBM_BYTES_PER_S * 1e6
         row = dict(kind="decode", B=B, ctx=ctx, floor=floor, sdpa=sdpa_decode(B, ctx, Hq, Hkv, D, device))
         for p in args.page_sizes:
