@@ -105,11 +105,12 @@ class MixedGraphRunner:
             self.params = {name: torch.zeros(rows, dtype=dtype, device=self.device) for name, dtype in params.items()}
             # query lengths [rows], sequence lengths [rows], then the token ids [tiles * Q_TILE]
             self.inputs = torch.zeros(2 * rows + max_tiles * Q_TILE, dtype=torch.int64, device=self.device)
-        # Block tables, shared by every key, column-major: a step copies only the columns its longest
-        # table needs (max_model_len-wide rows were 16 MB per key at 131,072 tokens). Columns past them
-        # hold an earlier step's pages, which nothing reads: page lists stop at a request's length and
-        # the page map masks the rest (attention/metadata.py).
-        self.tables_WR = torch.zeros(table_width * rows, dtype=torch.int32, device=self.device)
+            # Block tables, shared by every key, column-major: a step copies only the columns its longest
+            # table needs (max_model_len-wide rows were 16 MB per key at 131,072 tokens). Columns past them
+            # hold an earlier step's pages, which nothing reads: page lists stop at a request's length and
+            # the page map masks the rest (attention/metadata.py). An inference tensor like the rest: with one
+            # column its row-major view is itself, and the masks' guards would tell it from the steps' tables.
+            self.tables_WR = torch.zeros(table_width * rows, dtype=torch.int32, device=self.device)
         self.decode_shape: dict[MixedKey, torch.Tensor] = {}  # per key: its padded decode requests and their rows
         self.graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[MixedKey, torch.Tensor] = {}
@@ -129,7 +130,8 @@ class MixedGraphRunner:
         """The step over the static buffers: the plan and the metadata on the device, then the model."""
         rows = self.rows
         query_lens, seq_lens, ids = self.inputs.split([rows, rows, self.capacity.tiles * Q_TILE])
-        tables = self.tables_WR.view(self.width, rows).t().contiguous()
+        tables = self.tables_WR.view(self.width, rows).t().clone(memory_format=torch.contiguous_format)  # (strides
+        # as every step's tables: with one column, contiguous() kept the transposed view's)
         plan = (_compiled_plan() if self.device.type == "cuda" else plan_on_device)(
             query_lens, seq_lens, tables, self.decode_shape[key], self.capacity, self.block_size,
             align_pages(self.block_size), self.scratch_slot)

@@ -3,7 +3,7 @@
 # longer fits is skipped, and says so). Logs land in $OUT (or ./bench_out); a summary comes last.
 #   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
 # Stages: tests (pytest -m gpu; TESTS="files" narrows it), tests_attention (the attention kernels' GPU tests), attention (kernel
-# table), attention_window (the same with sliding_window(1024) + softcap(30)), compare (flexengine vs
+# table; ATTN_ARGS adds arguments), attention_workspace (the same with 128-token pages copied into the workspace), attention_window (the same with sliding_window(1024) + softcap(30)), compare (flexengine vs
 # transformers generate_batch, 256 x 256 x 256), prompt_heavy (the same, 64 x 2048 x 16), long (16 x 6144 x
 # 256), long_context (8k-64k prompts' prefill vs transformers' forward), profile_long (one 64k prefill's
 # kernels), throughput, latency (batch 1), eager (throughput and latency with --enforce-eager), sync (the same
@@ -123,7 +123,9 @@ for stage in ${*:-tests attention compare latency}; do
     tests_attention) step gpu_tests_attention 300 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short \
            tests/test_paged_attention.py tests/test_gym_mods.py tests/test_metadata.py tests/test_custom_attention.py \
            tests/test_cuda_graphs.py ;;  # the kernels' correctness only (the whole GPU suite: tests)
-    attention) step attention 300 python3 -m flexengine.benchmarks.attention --json "$OUT/attention.json" ;;
+    attention) step attention 300 python3 -m flexengine.benchmarks.attention ${ATTN_ARGS:-} --json "$OUT/attention.json" ;;
+    attention_workspace) step attention_workspace 300 python3 -m flexengine.benchmarks.attention ${ATTN_ARGS:-} \
+           --prefill-from workspace --json "$OUT/attention_workspace.json" ;;  # 128-token pages copied, as before
     attention_window) step attention_window 300 python3 -m flexengine.benchmarks.attention --mask sliding_window:1024 \
            --score softcap:30 --json "$OUT/attention_window.json" ;;  # issue 15: within 15% of causal
     compare) e2e compare_transformers ;;

@@ -208,23 +208,27 @@ def mixed_traffic(n=14, seed=0, max_len=90, max_tokens=12, **params):
     return prompts, [SamplingParams(max_tokens=rng.randint(1, max_tokens), ignore_eos=True, **params) for _ in prompts]
 
 
-@pytest.mark.parametrize("enforce_eager, combo_up_to", [(False, 1), (False, 4), (True, 1)])
-def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, enforce_eager, combo_up_to, monkeypatch):
+@pytest.mark.parametrize("enforce_eager, combo_up_to, block_size", [(False, 1, None), (False, 4, None), (True, 1, None),
+                                                                   (False, 1, 128)])
+def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, enforce_eager, combo_up_to, block_size,
+                                                         monkeypatch):
     """The CUDA engine's shape policy, checked on CPU: after the warm-up (the decode buckets compiled
     by the capture, or by the warm-up under enforce_eager), mixed prefill/decode traffic adds no
     graph, and gives the tokens the plain CPU engine gives; also with the regions' combo version in every decode
-    bucket (cuda_graphs.COMBO_UP_TO: one more dynamic compile, made by the capture)."""
+    bucket (cuda_graphs.COMBO_UP_TO: one more dynamic compile, made by the capture), and with the GPU's 128-token
+    pages, which prefill reads in place (no workspace copy)."""
     from flexengine.compile import cuda_graphs
     monkeypatch.setattr(cuda_graphs, "COMBO_UP_TO", combo_up_to)
     combo = set()  # whether each decode bucket's step ran the regions' combo version
     regions = cuda_graphs.decode_regions
     monkeypatch.setattr(cuda_graphs, "decode_regions", lambda on: combo.add(on) or regions(on))
     prompts, params = mixed_traffic(temperature=0)
-    config = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=128)
+    config = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=128, block_size=block_size)
     before_build = compile_count()
     static = LLM(**config, enforce_eager=enforce_eager)
     runner = static.llm_engine.runner
     assert runner.static_shapes and (runner.decode_graphs is None) == enforce_eager
+    assert runner.backend.direct(runner.block_size, runner.device) == (block_size == 128)
     assert compile_count() > before_build
     layer = runner.model.model.layers[0]  # the regions' versions: combo (batch 1, or up to COMBO_UP_TO) and plain
     assert set(type(layer).attention_inputs.compiled) == (set() if enforce_eager else {True, False})

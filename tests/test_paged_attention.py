@@ -119,6 +119,30 @@ def test_compiled_flex_on_cpu_honours_block_lists():
     torch.testing.assert_close(out.double(), ref, atol=3e-4, rtol=3e-4)
 
 
+def test_compiled_flex_reads_128_token_pages_in_place():
+    """Pages of KV_TILE tokens: the compiled prefill reads the pool in place (no workspace copy). Tile 0 holds
+    three requests, two of which share a page of a cached prefix, and a decode row between them."""
+    import math
+    from flexengine.attention.backends import flex as flex_backend
+    from flexengine.attention.layout import plan_layout
+    from flexengine.attention.metadata import build_metadata
+    P, Hq, Hkv, D = 128, 4, 2, 16
+    seq_lens, query_lens = [300, 200, 90, 140], [20, 10, 1, 140]
+    tables = [[5, 2, 9], [5, 7, 1], [3, 4, 4], [0, 11, 6]]  # request 1 shares request 0's first page
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(12, P, Hkv, D, generator=g), torch.randn(12, P, Hkv, D, generator=g)
+    q = torch.randn(sum(query_lens), Hq, D, generator=g)
+    backend = flex_backend.FlexBackend(compile=True)
+    assert backend.direct(P, q.device)
+    meta = build_metadata(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+                          torch.empty(0, dtype=torch.long), plan_layout(query_lens, seq_lens, block_size=P), P, 12)
+    meta.backend = backend
+    out = backend.forward(q, kc, vc, meta, masks.causal, masks.softcap(2.0), 0.25)
+    ref = dense_paged_attention(q, kc, vc, tables, seq_lens, query_lens, PLAIN_MASKS["causal"],
+                                lambda s, b, h, qq, kv: 2.0 * math.tanh(s / 2.0), scale=0.25)
+    torch.testing.assert_close(out.double(), ref, atol=3e-4, rtol=3e-4)
+
+
 def test_per_request_parameter():
     rng = random.Random(3)
     seq_lens, query_lens = [30, 30], [30, 1]

@@ -12,12 +12,16 @@ Layout (chosen by measurement, see docs/benchmarks.md and DESIGN.md's baselines)
   the buffer to whole tiles. A tile may hold the end of one request and the start of the next; rows
   that are not prefill queries (decode tokens, padding) are dead: no key is live for them, and the
   decode call overwrites the decode tokens' rows afterwards.
-- Prefill tiles do not read the pool. The pages of each prefilling request are first copied, in
-  logical order, into a contiguous workspace (`plan_layout(block_size=...)` lays it out), each request
-  starting on a KV_TILE boundary: the kernel then reads 128-token KV blocks whatever the page size
-  (16-token pages capped its tile at 16), and the blocks a tile reads are one contiguous range: from
-  its first request's lowest to its last request's highest (requests lie in the workspace in token
-  order). A tile of one request also gets full blocks, those wholly inside the mask's all-true range.
+- Prefill tiles read KV blocks of KV_TILE (128) tokens. Where a page is that size (the GPU's default), a
+  block IS a page and the compiled kernel reads the pool in place: a tile lists the pages of each request
+  it holds (`tile_page_lists`; a page two of them share, a cached prefix, once), and the mask checks that
+  the row's request owns the page (one gather from the block tables, only in partial blocks). With smaller
+  pages the pages of each prefilling request are first copied, in logical order, into a contiguous
+  workspace (`plan_layout(block_size=...)` lays it out), each request starting on a KV_TILE boundary: the
+  kernel then reads 128-token KV blocks whatever the page size (16-token pages capped its tile at 16), and
+  the blocks a tile reads are one contiguous range: from its first request's lowest to its last
+  request's highest (requests lie in the workspace in token order). Either way a tile of one request also
+  gets full blocks, those wholly inside the mask's all-true range.
 - Block ranges are computed per query span: a decode row, or a prefill segment (the part of one
   request inside one tile); a tile's range is the hull of its segments'.
 - The physical->logical page map is 1-D `[num_blocks]`: a physical page has one logical index even
@@ -181,6 +185,50 @@ def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tenso
     kv_idx = tables.gather(1, partial.clamp(0, M - 1)).clamp(0, nb).int()
     full_idx = tables.gather(1, full.clamp(0, M - 1)).clamp(0, nb).int()
     return kv_num, kv_idx, full_num, full_idx
+
+
+def tile_page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor], capacity: int):
+    """Per prefill tile of a step whose pages are KV_TILE tokens, read in place (no workspace): the partial and the
+    full page lists over the pool, [tiles, capacity]. A tile lists its segments' pages one after another; a page
+    two of its requests share (a cached prefix) is listed once (the mask then finds whose row may read it). As in
+    workspace_lists, only a tile of one segment has full pages."""
+    lay, P = meta.layout, meta.block_size
+    if lay.num_segments == 0:  # tiles of padding alone
+        counts, lists = meta.block_tables.new_zeros(lay.num_tiles), meta.block_tables.new_zeros(lay.num_tiles, capacity)
+        return counts, lists, counts, lists
+    first = lay.num_decode * lay.decode_splits
+    rows = slice(first, first + lay.num_segments)
+    lo, flo, fhi, hi = block_ranges(meta, mask_mod, param_values, rows, P)
+    single = meta.tile_single[meta.seg_tile]
+    flo, fhi = torch.where(single, flo, hi), torch.where(single, fhi, hi)
+    n_left = flo - lo
+    tables, req = meta.block_tables, meta.span_req[rows]
+    M, none = tables.shape[1], meta.num_blocks  # `none`: past every page, so it sorts last
+
+    def per_tile(counts, logical):  # the segments' blocks (logical(segment, k) for k < count), concatenated per tile
+        end = counts.cumsum(0)
+        start = end - counts  # real segments come in tile order; padding ones (tile 0) hold nothing
+        tile_count = torch.zeros(lay.num_tiles, dtype=torch.long, device=lo.device).scatter_add_(0, meta.seg_tile, counts)
+        total = end[-1:]
+        tile_start = total.expand(lay.num_tiles).clone().scatter_reduce_(
+            0, meta.seg_tile, torch.where(counts > 0, start, total), "amin")
+        j = torch.arange(capacity, device=lo.device)[None, :]
+        g = tile_start[:, None] + j
+        seg = torch.searchsorted(end, g, right=True).clamp(max=len(counts) - 1)
+        pages = tables[req[seg], logical(seg, g - start[seg]).clamp(0, M - 1)].long().clamp(0, none - 1)
+        return torch.where(j < tile_count[:, None], pages, none), tile_count
+
+    partial, kv_num = per_tile(n_left + (hi - fhi), lambda s, k: torch.where(k < n_left[s], lo[s] + k,
+                                                                             fhi[s] + k - n_left[s]))
+    full, full_num = per_tile(fhi - flo, lambda s, k: flo[s] + k)
+    # A shared page appears once per request that reads it: sort, drop repeats, and sort them to the end.
+    partial = partial.sort(dim=1).values
+    repeat = torch.zeros_like(partial, dtype=torch.bool)
+    repeat[:, 1:] = partial[:, 1:] == partial[:, :-1]
+    partial = torch.where(repeat, none, partial).sort(dim=1).values
+    kv_num = (partial < none).sum(1)
+    return (kv_num.int(), torch.where(partial < none, partial, 0).int(), full_num.int(),
+            torch.where(full < none, full, 0).int())
 
 
 def workspace_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor], capacity_blocks: int):

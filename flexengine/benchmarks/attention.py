@@ -15,6 +15,7 @@ import random
 import torch
 import torch.nn.functional as F
 
+from ..attention.backends import flex as flex_backend
 from ..attention.backends.flex import FlexBackend
 from ..attention.metadata import build_metadata
 from ..attention.layout import choose_decode_splits, plan_layout, workspace_tokens
@@ -40,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--score", default=None, help="a score mod: softcap:C, alibi, or a registered name (default none)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--decode-only", action="store_true", help="only the decode rows (a quick check of the decode kernel)")
+    p.add_argument("--prefill-from", choices=("pages", "workspace"), default="pages",
+                   help="where 128-token pages prefill from: the pool in place (the engine's default) or a copy in the "
+                        "workspace (as smaller pages do)")
     p.add_argument("--decode-cases", default=None, metavar="BxCTX,...",
                    help="the decode rows, as batch x context pairs (default: " +
                         ",".join(f"{b}x{c}" for b, c in DECODE) + ")")
@@ -171,11 +175,13 @@ def main(args) -> int:
     assert torch.cuda.is_available(), "the attention benchmark needs a CUDA device"
     device = torch.device("cuda")
     Hq, Hkv, D = args.heads, args.kv_heads, args.head_dim
+    flex_backend.DIRECT_PAGES = args.prefill_from == "pages"
     random.seed(0)
     rows = []
     mods = parse_mods(args.mask, args.score, Hq)
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | Hq={Hq} Hkv={Hkv} D={D} bf16 | µs (median) | "
-          f"flex: mask {args.mask}, score {args.score}; SDPA: causal")
+          f"flex: mask {args.mask}, score {args.score}, 128-token pages prefill from the {args.prefill_from}; "
+          f"SDPA: causal")
     head = "| case | floor | SDPA flash | " + " | ".join(f"flex p{p} | ratio p{p} | meta p{p}" for p in args.page_sizes) + " |"
     print(head)
     print("|" + "---|" * (3 + 3 * len(args.page_sizes)))

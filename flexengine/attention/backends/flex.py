@@ -23,7 +23,7 @@ except ImportError:
 
 from ...compile import compiled_on_first_use, configure_dynamo, pdl_options
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params, vmap_over_coords
-from ..metadata import AttentionMetadata, build_phys_to_logical, page_lists, workspace_lists
+from ..metadata import AttentionMetadata, build_phys_to_logical, page_lists, tile_page_lists, workspace_lists
 from ..layout import DEAD_KV0, KV_TILE, Q_TILE
 from ..split_kv import merge_splits_into
 from ..workspace import gather_pages
@@ -83,20 +83,34 @@ def _query(meta: AttentionMetadata, decode: bool, b, q_idx):
     return meta.prefill_req[q_idx], meta.prefill_pos[q_idx]
 
 
-def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: bool = False, workspace: bool = False):
+def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: bool = False, workspace: bool = False,
+               direct: bool = False):
     """The user's logical mask on the pool's physical coordinates (or, for prefill rows with
     `workspace`, the workspace's); `listed_only`: the kernel visits only the blocks in the BlockMask's
-    lists (compiled flex on CUDA)."""
+    lists (compiled flex on CUDA); `direct`: prefill rows of the compiled kernel reading the pool's pages in
+    place (tile_page_lists), int32 throughout."""
     values = param_values(meta, mask_mod, MASK_ARGS)
-    assert not (decode and workspace)
+    assert not (decode and (workspace or direct))
 
-    rows = _prefill_rows(meta) if workspace else None
+    rows = _prefill_rows(meta) if workspace or direct else None
+    P, width = meta.block_size, meta.block_tables.shape[1]
+    tables = meta.block_tables.reshape(-1) if direct else None  # (flat: one index, as FA4's code generator takes)
+    limit = _prefill_limits(meta) if direct else None
 
     def mask(b, h, q_idx, kv_idx):
         if workspace:  # a block of another request, or any block for a dead row (kv0 = DEAD_KV0): lkv out of range
             req, q_pos, kv0 = rows[0][q_idx], rows[1][q_idx], rows[2][q_idx]
             lkv = kv_idx - kv0
             live = (lkv >= 0) & (lkv < meta.seq_lens[req])
+        elif direct:  # a tile of several requests lists the pages of each: the row's request must own the page
+            req, q_pos, row_limit = rows[0][q_idx], rows[1][q_idx], limit[q_idx]
+            page = kv_idx // P
+            lp = meta.phys_to_logical[page]
+            lkv = lp * P + kv_idx % P
+            live = (lkv < row_limit) & (tables[req * width + lp] == page)
+            last = row_limit - 1  # (_live_coords' clamp from the row's own limit: one gather fewer per element)
+            lkv = torch.where(lkv < last, lkv, last)
+            return live & mask_mod(req, h, q_pos, torch.where(lkv > 0, lkv, 0), *values)
         else:
             req, q_pos = _query(meta, decode, b, q_idx)
             lkv, live = _logical_kv(meta, req, kv_idx, listed_only)
@@ -116,17 +130,29 @@ def _prefill_rows(meta: AttentionMetadata):
     return meta.backend_state["prefill_rows"]
 
 
-def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: bool = False):
+def _prefill_limits(meta: AttentionMetadata) -> torch.Tensor:
+    """Per prefill row, int32: its request's length, or 0 for a dead row (no key is live for it). The direct mask's
+    one gather for both (the workspace's kv0 test and the length), made once per step."""
+    if "prefill_limits" not in meta.backend_state:
+        req, _, kv0 = _prefill_rows(meta)
+        meta.backend_state["prefill_limits"] = torch.where(kv0 < DEAD_KV0, meta.seq_lens.int()[req], 0)
+    return meta.backend_state["prefill_limits"]
+
+
+def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: bool = False, direct: bool = False):
     if score_mod is None:
         return None
     values = param_values(meta, score_mod, SCORE_ARGS)
     P = meta.block_size
 
-    rows = _prefill_rows(meta) if workspace else None
+    rows = _prefill_rows(meta) if workspace or direct else None
 
     def score(s, b, h, q_idx, kv_idx):
         if workspace:
             req, q_pos, lkv = rows[0][q_idx], rows[1][q_idx], kv_idx - rows[2][q_idx]
+        elif direct:
+            req, q_pos = rows[0][q_idx], rows[1][q_idx]
+            lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
         else:
             req, q_pos = _query(meta, decode, b, q_idx)
             lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
@@ -148,9 +174,11 @@ def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return out
 
 
-def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, workspace_pages: int):
+def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, workspace_pages: int,
+                      direct: bool = False):
     """(decode BlockMask or None, prefill BlockMask or None) for one logical mask. Decode rows read
-    the pool's pages; prefill tiles read KV_TILE blocks of a workspace of `workspace_pages` pages."""
+    the pool's pages; prefill tiles read KV_TILE blocks of a workspace of `workspace_pages` pages, or with
+    `direct` (pages of KV_TILE tokens) the pool's pages in place, at most `workspace_pages` a tile."""
     lay, P = meta.layout, meta.block_size
     values = param_values(meta, mask_mod, MASK_ARGS)
     Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
@@ -166,7 +194,15 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
             kv_num.view(Bd, 1, 1), kv_idx.view(Bd, 1, 1, M), *full,
             BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, True, listed_only),
             seq_lengths=(1, M * P), compute_q_blocks=False)
-    if Tp:
+    if Tp and direct:
+        M = meta.num_blocks
+        kv_num, kv_idx, full_num, full_idx = tile_page_lists(meta, mask_mod, values, workspace_pages)
+        pre = BlockMask.from_kv_blocks(
+            kv_num.view(1, 1, Tp), _pool_wide(kv_idx, M).view(1, 1, Tp, M), full_num.view(1, 1, Tp),
+            _pool_wide(full_idx, M).view(1, 1, Tp, M), BLOCK_SIZE=(Q_TILE, P),
+            mask_mod=paged_mask(meta, mask_mod, False, direct=True), seq_lengths=(Tp * Q_TILE, M * P),
+            compute_q_blocks=False)
+    elif Tp:
         kv_len = workspace_pages * P
         assert kv_len % KV_TILE == 0, (workspace_pages, P)
         M = kv_len // KV_TILE
@@ -231,6 +267,11 @@ def decode_kernel_options(P: int, splits: int, query: torch.Tensor) -> dict:
     return options
 
 
+# Compiled prefill over pages of KV_TILE tokens reads them in place (tile_page_lists) rather than from a copy in the
+# workspace (the copy was 50 of 379 µs at 32 x 512 on the H100, session 12); False: the workspace, as smaller pages need.
+DIRECT_PAGES = True
+
+
 class FlexBackend:
     name = "flex"
 
@@ -247,8 +288,14 @@ class FlexBackend:
         another) of at least `pages` pages, whole KV tiles."""
         step = KV_TILE // math.gcd(block_size, KV_TILE)  # pages per whole number of KV tiles
         self.workspace_pages = -(-pages // step) * step
+        if self.direct(block_size, torch.device(device)):  # (its size still bounds what a tile lists)
+            return
         shape = (self.workspace_pages, block_size, num_kv_heads, head_dim)
         self._workspace = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def direct(self, block_size: int, device: torch.device) -> bool:
+        """Whether the compiled prefill call reads the pool's pages in place (pages of KV_TILE tokens)."""
+        return DIRECT_PAGES and block_size == KV_TILE and self.compiled(device)
 
     def gather_workspace(self, key_cache, value_cache, meta: AttentionMetadata):
         """Copy the prefilling requests' pages into the workspace: k, v as [1, Hkv, pages * P, D]."""
@@ -301,6 +348,7 @@ class FlexBackend:
         # The Triton kernel reads exactly the listed pages (its KV tile divides the page); Inductor's CPU
         # template reads blocks of its own width, which can run past a page into another request's.
         listed_only = compiled and device.type == "cuda"
+        direct = self.direct(meta.block_size, device)
         if not compiled and "view" not in meta.backend_state:
             meta.backend_state["view"] = self.compact(meta)
         view = meta.backend_state.get("view", meta)  # the metadata the kernels see
@@ -308,10 +356,10 @@ class FlexBackend:
         for mask_mod, score_mod in mods:
             if mask_mod not in masks:  # eager: dense masks instead, made when a layer first asks (dense_mask)
                 pages = self.workspace_pages if self.workspace_pages is not None else len(meta.ws_src)
-                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only, pages) if compiled else (None, None)
+                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only, pages, direct) if compiled else (None, None)
             if score_mod not in scores:
                 scores[score_mod] = (paged_score(view, score_mod, True),
-                                     paged_score(view, score_mod, False, workspace=compiled))
+                                     paged_score(view, score_mod, False, workspace=compiled and not direct, direct=direct))
 
     def dense_mask(self, meta: AttentionMetadata, mask_mod, num_heads: int, decode: bool, q_len: int = 1):
         """The step's mask over its compacted pages, [rows, Hq, q, kv] bool, evaluated once per step and
@@ -405,7 +453,7 @@ class FlexBackend:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
             R = lay.num_tiles * Q_TILE
             assert R >= T, (R, T)
-            kw, vw = self.gather_workspace(key_cache, value_cache, meta)
+            kw, vw = (k, v) if self.direct(P, query.device) else self.gather_workspace(key_cache, value_cache, meta)
             qp = query if R == T else F.pad(query, (0, 0, 0, 0, 0, R - T))  # the engine pads; the functional API not
             op = self.prefill(flex, qp.transpose(0, 1).unsqueeze(0), kw, vw, pre_sm, pre_bm, scale, gqa)
             out = op[0].transpose(0, 1)[:T]  # decode tokens' rows are overwritten below
