@@ -207,11 +207,9 @@ def tile_page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.
 
     def per_tile(counts, logical):  # the segments' blocks (logical(segment, k) for k < count), concatenated per tile
         end = counts.cumsum(0)
-        start = end - counts  # real segments come in tile order; padding ones (tile 0) hold nothing
+        start = end - counts
         tile_count = torch.zeros(lay.num_tiles, dtype=torch.long, device=lo.device).scatter_add_(0, meta.seg_tile, counts)
-        total = end[-1:]
-        tile_start = total.expand(lay.num_tiles).clone().scatter_reduce_(
-            0, meta.seg_tile, torch.where(counts > 0, start, total), "amin")
+        tile_start = tile_count.cumsum(0) - tile_count  # real segments come in tile order; padding ones hold nothing
         j = torch.arange(capacity, device=lo.device)[None, :]
         g = tile_start[:, None] + j
         seg = torch.searchsorted(end, g, right=True).clamp(max=len(counts) - 1)
