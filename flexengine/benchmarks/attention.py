@@ -185,23 +185,23 @@ def main(args) -> int:
     head = "| case | floor | SDPA flash | " + " | ".join(f"flex p{p} | ratio p{p} | meta p{p}" for p in args.page_sizes) + " |"
     print(head)
     print("|" + "---|" * (3 + 3 * len(args.page_sizes)))
-    for B, ctx in parse_cases(args.decode_cases) if args.decode_cases else DECODE:
-        floor = B * ctx * Hkv * D * 2 * 2 / HBM_BYTES_PER_S * 1e6
-        row = dict(kind="decode", B=B, ctx=ctx, floor=floor, sdpa=sdpa_decode(B, ctx, Hq, Hkv, D, device))
+    def measured(r):  # each row printed once measured: a run cut by a time limit keeps the rows it made
         for p in args.page_sizes:
-            row[f"flex_p{p}"], row[f"meta_p{p}"] = flex_times([ctx] * B, [1] * B, p, Hq, Hkv, D, device, mods)
-        rows.append(row)
-    for N, L in [] if args.decode_only else PREFILL:
-        floor = 4 * N * Hq * D * L * L / 2 / BF16_FLOPS * 1e6
-        row = dict(kind="prefill", B=N, ctx=L, floor=floor, sdpa=sdpa_prefill(N, L, Hq, Hkv, D, device))
-        for p in args.page_sizes:
-            row[f"flex_p{p}"], row[f"meta_p{p}"] = flex_times([L] * N, [L] * N, p, Hq, Hkv, D, device, mods)
-        rows.append(row)
-    for r in rows:
+            lens = [r["ctx"]] * r["B"]
+            r[f"flex_p{p}"], r[f"meta_p{p}"] = flex_times(lens, [1] * r["B"] if r["kind"] == "decode" else lens, p,
+                                                          Hq, Hkv, D, device, mods)
         cells = [f"{r['kind']} {r['B']}x{r['ctx']}", f"{r['floor']:.0f}", f"{r['sdpa']:.0f}"]
         for p in args.page_sizes:
             cells += [f"{r[f'flex_p{p}']:.0f}", f"{r['sdpa'] / r[f'flex_p{p}']:.2f}x", f"{r[f'meta_p{p}']:.0f}"]
-        print("| " + " | ".join(cells) + " |")
+        print("| " + " | ".join(cells) + " |", flush=True)
+        rows.append(r)
+
+    for B, ctx in parse_cases(args.decode_cases) if args.decode_cases else DECODE:
+        floor = B * ctx * Hkv * D * 2 * 2 / HBM_BYTES_PER_S * 1e6
+        measured(dict(kind="decode", B=B, ctx=ctx, floor=floor, sdpa=sdpa_decode(B, ctx, Hq, Hkv, D, device)))
+    for N, L in [] if args.decode_only else PREFILL:
+        floor = 4 * N * Hq * D * L * L / 2 / BF16_FLOPS * 1e6
+        measured(dict(kind="prefill", B=N, ctx=L, floor=floor, sdpa=sdpa_prefill(N, L, Hq, Hkv, D, device)))
     print(f"# ratio = SDPA time / flex time (>1: flex faster); compiled graphs: {compile_count()}")
     write_json(args.json, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, mask=args.mask,
                                score=args.score, rows=rows))
