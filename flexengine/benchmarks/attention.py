@@ -186,10 +186,10 @@ def main(args) -> int:
     print(head)
     print("|" + "---|" * (3 + 3 * len(args.page_sizes)))
     def measured(r):  # each row printed once measured: a run cut by a time limit keeps the rows it made
+        lens = [r["ctx"]] * r["B"]
+        query_lens = [1] * r["B"] if r["kind"] == "decode" else lens
         for p in args.page_sizes:
-            lens = [r["ctx"]] * r["B"]
-            r[f"flex_p{p}"], r[f"meta_p{p}"] = flex_times(lens, [1] * r["B"] if r["kind"] == "decode" else lens, p,
-                                                          Hq, Hkv, D, device, mods)
+            r[f"flex_p{p}"], r[f"meta_p{p}"] = flex_times(lens, query_lens, p, Hq, Hkv, D, device, mods)
         cells = [f"{r['kind']} {r['B']}x{r['ctx']}", f"{r['floor']:.0f}", f"{r['sdpa']:.0f}"]
         for p in args.page_sizes:
             cells += [f"{r[f'flex_p{p}']:.0f}", f"{r['sdpa'] / r[f'flex_p{p}']:.2f}x", f"{r[f'meta_p{p}']:.0f}"]

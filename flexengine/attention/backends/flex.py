@@ -150,11 +150,8 @@ def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: boo
     def score(s, b, h, q_idx, kv_idx):
         if workspace:
             req, q_pos, lkv = rows[0][q_idx], rows[1][q_idx], kv_idx - rows[2][q_idx]
-        elif direct:
-            req, q_pos = rows[0][q_idx], rows[1][q_idx]
-            lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
-        else:
-            req, q_pos = _query(meta, decode, b, q_idx)
+        else:  # the pool's coordinates (direct: the prefill rows as int32)
+            req, q_pos = (rows[0][q_idx], rows[1][q_idx]) if direct else _query(meta, decode, b, q_idx)
             lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
         req, q_pos, lkv = _live_coords(meta, decode, req, q_pos, lkv)
         return score_mod(s, req, h, q_pos, lkv, *values)
