@@ -94,22 +94,26 @@ def take_inputs(inputs, fed_ids, input_ids, positions, seq_lens, block_tables, s
     header = 3 + 3 * max_bs
     mode, n = inputs[0], inputs[1]
     moving, filling = mode == MOVE, mode == FILL
+    # The bucket's rows are taken by index, never sliced [:bs]: a slice of the largest bucket (bs == max_bs, the first
+    # one captured) guards on the sizes being equal, and every smaller bucket recompiled (TORCH_LOGS=recompiles on
+    # the H100, session 29)
+    rows, every = torch.arange(bs, device=inputs.device), torch.arange(max_bs, device=inputs.device)
     staged = inputs[header:].view(4 + width, max_bs)
+    mine = staged.index_select(1, rows)  # the bucket's columns
     entry = inputs[3:header].view(max_bs, 3)
-    new = moving & (torch.arange(max_bs, device=inputs.device) < inputs[2])
+    new = moving & (every < inputs[2])
     # entries past k (an earlier step's) rewrite row 0's first page as it is: a new page is never a first one
     row, col = torch.where(new, entry[:, 0], 0), torch.where(new, entry[:, 1], 0)
     block_tables[row, col] = torch.where(new, entry[:, 2], block_tables[row, col].long()).int()
-    block_tables[:bs] = torch.where(filling, staged[4:, :bs].t().int(), block_tables[:bs])
-    every = torch.arange(max_bs, device=inputs.device)
-    moves = moving & (every < n)  # (n <= bs)
-    seq_lens.copy_(torch.where(filling, staged[3].int(), seq_lens + moves.int()))
-    rows, on = every[:bs], moves[:bs]
-    ids = torch.where(filling, staged[0, :bs], torch.where(on, fed_ids[:bs], input_ids))
-    pos = torch.where(filling, staged[1, :bs], positions + on.long())
-    page = block_tables[:bs].gather(1, (pos // block_size)[:, None]).squeeze(1)
+    tables = torch.where(filling, mine[4:].t().int(), block_tables.index_select(0, rows))
+    block_tables.index_copy_(0, rows, tables)
+    seq_lens.copy_(torch.where(filling, staged[3].int(), seq_lens + (moving & (every < n)).int()))  # (n <= bs)
+    on = moving & (rows < n)
+    ids = torch.where(filling, mine[0], torch.where(on, fed_ids.index_select(0, rows), input_ids))
+    pos = torch.where(filling, mine[1], positions + on.long())
+    page = tables.gather(1, (pos // block_size)[:, None]).squeeze(1)
     slot = torch.where(on, page.long() * block_size + pos % block_size, slot_mapping)
-    slot = torch.where(filling, torch.where(rows < n, staged[2, :bs], scratch_slot), slot)
+    slot = torch.where(filling, torch.where(rows < n, mine[2], scratch_slot), slot)
     input_ids.copy_(ids)
     positions.copy_(pos)
     slot_mapping.copy_(slot)

@@ -205,8 +205,23 @@ def mark_page_shape_static(cache: torch.Tensor) -> None:
 def compiled_on_first_use(fn):
     """→ a function returning fn compiled by `compile_region`, made once, on its first call (the device-side step
     helpers the CUDA engine runs through Inductor, whatever the `fused` setting: small integer work, combo kernels
-    unless FLEXENGINE_COMBO_KERNELS=0)."""
+    unless FLEXENGINE_COMBO_KERNELS=0), traced without duck sizing."""
     @functools.cache
     def compiled():
-        return compile_region(fn, env_combo_kernels())
+        return without_duck_sizing(compile_region(fn, env_combo_kernels()))
     return compiled
+
+
+def without_duck_sizing(compiled_fn):
+    """compiled_fn traced with sizes that are equal at the first trace kept as separate symbols. The decode graphs'
+    helpers take the bucket's rows beside buffers of every row; the largest bucket, compiled first, fills them, and
+    dynamo's duck sizing made the two one symbol, so every smaller bucket compiled take_inputs, the page lists and the
+    positions again: 3 of the 4 graphs at 192 rows (TORCH_LOGS=recompiles on the H100, session 29). Only these
+    helpers: the model's regions keep their sizes unified."""
+    import torch.fx.experimental._config as fx_config
+
+    @functools.wraps(compiled_fn)
+    def run(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled_fn(*args, **kwargs)
+    return run

@@ -14,7 +14,8 @@ scheduled batch into device inputs (medians and p90 over the steps of each kind,
   layout, positions, slots and metadata are planned inside the graph, attention/device_plan.py);
 - or, too large for a graph: `plan_step` (positions, slots and `plan_layout` on the host) and `prepare_step`,
   whose metadata is built by eager launches.
-The model's own launches are not counted (they are the graph replay, or the eager layers).
+The model's own launches are not counted (they are the graph replay, or the eager layers); on CUDA a row times
+`CUDAGraph.replay` itself, every graph's launch, the part of each replayed step no host packing can remove.
 
 `--workload json|penalties` runs issue 20's workloads instead of plain sampling (every request under
 `bench_schema(0)`, or with the penalties and logit_bias `bench throughput --penalties` uses) and also times the
@@ -94,6 +95,9 @@ def main() -> None:
         graphs = runner.decode_graphs
         graphs.run = timed(times["    of which DecodeGraphRunner.run (staged, replayed)"], graphs.run)
         graphs.run_moved_on = timed(times["  of which DecodeGraphRunner.run_moved_on"], graphs.run_moved_on)
+    if torch.cuda.is_available():  # every graph's launch alone (decode and mixed): the floor of a replayed step's host time
+        torch.cuda.CUDAGraph.replay = timed(times["  CUDAGraph.replay (any graph's launch, inside the rows above)"],
+                                            torch.cuda.CUDAGraph.replay)
     runner.pack_lengths = timed(times["pack_lengths (steps with prompt tokens: ids, lengths, tables)"],
                                 runner.pack_lengths)
     if runner.mixed_graphs is not None:
