@@ -217,11 +217,15 @@ def without_duck_sizing(compiled_fn):
     helpers take the bucket's rows beside buffers of every row; the largest bucket, compiled first, fills them, and
     dynamo's duck sizing made the two one symbol, so every smaller bucket compiled take_inputs, the page lists and the
     positions again: 3 of the 4 graphs at 192 rows (TORCH_LOGS=recompiles on the H100, session 29). Only these
-    helpers: the model's regions keep their sizes unified."""
+    helpers: the model's regions keep their sizes unified. (Set and restored by hand: `fx_config.patch` cost tens of
+    µs a call on the CPU, and an eager step calls the page lists once per mask.)"""
     import torch.fx.experimental._config as fx_config
 
     @functools.wraps(compiled_fn)
     def run(*args, **kwargs):
-        with fx_config.patch(use_duck_shape=False):
+        before, fx_config.use_duck_shape = fx_config.use_duck_shape, False
+        try:
             return compiled_fn(*args, **kwargs)
+        finally:
+            fx_config.use_duck_shape = before
     return run
