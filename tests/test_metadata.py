@@ -290,5 +290,5 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
                 assert torch.equal(a, b), (case[0], bs, splits)
         # a graph for one row (dynamo specialises size 1), one for split rows, one for unsplit ones; the positions'
         # two come with the first mask. Sizes equal at the first trace (32 rows of 32) taken as one symbol made
-        # 8 of the first mask's (compile.without_duck_sizing)
+        # 8 of the first mask's (compile/policy.py: without_duck_sizing)
         assert compile_count() - before <= (3 if case is not CASE_LIST[0] else 5), (case[0], compile_count() - before)
