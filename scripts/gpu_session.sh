@@ -17,7 +17,7 @@
 # the commit archived in .base.tgz, `git archive REV | gzip > .base.tgz`, carried (run's carry: [".base.tgz"]), on
 # the same box; then this tree again),
 # host_sampling (the same for issue 20's JSON and
-# penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
+# penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), fa4_tiles (scripts/fa4_tile_probe.py, after fa4: FA4's 128- against 192-row q tiles at head size 64; TILE_ARGS), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
 # latency at batch 8 and 32), gemv_rows (gemv_probe.py: the few-rows kernel against cuBLAS at 8 and 32 rows),
@@ -174,6 +174,7 @@ for stage in ${*:-tests attention compare latency}; do
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) step softcap_probe 200 python3 scripts/softcap_probe.py ;;  # what a softcap score mod costs in FA4
+    fa4_tiles) step fa4_tiles 240 python3 scripts/fa4_tile_probe.py ${TILE_ARGS:-} ;;  # FA4's q tile at D = 64 (after fa4)
     splits) model && step decode_splits_probe 300 python3 scripts/decode_splits_probe.py --model "$MODEL_DIR" ;;
            # issue 16: small-batch decode with the engine's split-KV against one split, by context
     sampling) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1 ||
