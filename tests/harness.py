@@ -123,4 +123,4 @@ def fa4_reason():
     from flexengine.attention.backends.prefill_kernel import fa4_unsupported_reason
     if not torch.cuda.is_available():
         return "needs CUDA"
-    return fa4_unsupported_reason(torch.empty(1, 1, 1, 64, dtype=torch.bfloat16, device="cuda"))
+    return fa4_unsupported_reason(torch.device("cuda"), torch.bfloat16, 64)

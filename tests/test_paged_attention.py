@@ -11,6 +11,7 @@ from attention_reference import PLAIN_MASKS, as_plain, dense_paged_attention, ma
 from harness import fa4_reason, flex_prefill
 from flexengine import masks
 from flexengine.attention import paged_attention
+from flexengine.attention.backends import default_flex
 
 
 @masks.register_mask_mod("test_stripes", replace=True)
@@ -177,11 +178,13 @@ def document_mask(max_len=4096, doc_len=37):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(fa4_reason() is not None, reason=f"FlashAttention-4 cannot run here: {fa4_reason()}")
-@pytest.mark.parametrize("mods, D, block_size", [("causal", 64, 16), ("causal", 128, 128), ("window_softcap", 128, 16),
-                                                  ("document", 64, 128)])  # each case one FA4 JIT compile
-def test_flex_fa4_prefill_on_gpu(mods, D, block_size, caplog):
+@pytest.mark.parametrize("mods, D, block_size, q_tiles", [
+    ("causal", 64, 16, 1), ("causal", 128, 128, 1), ("window_softcap", 128, 16, 1), ("document", 64, 128, 3),
+    ("causal", 64, 128, 3)])  # each case one FA4 JIT compile
+def test_flex_fa4_prefill_on_gpu(mods, D, block_size, q_tiles, caplog):
     """FA4 through flex's FLASH backend, asked for by name: mixed decode/chunk/prefill steps at pages
-    of 16 and 128 against the dense reference, with no fallback to Triton."""
+    of 16 and 128 against the dense reference, with no fallback to Triton; at 128-token pages also in q blocks
+    of three tiles (FA4's 192-row tiles at head size 64), of two requests and of one with full pages."""
     if mods == "causal":
         mask, plain, score, plain_score = "causal", PLAIN_MASKS["causal"], None, None
     elif mods == "window_softcap":
@@ -192,10 +195,13 @@ def test_flex_fa4_prefill_on_gpu(mods, D, block_size, caplog):
         (mask, plain), score, plain_score = document_mask(), None, None
     # (small enough for the plain Python reference: a 2,000-token case took minutes)
     seq_lens, query_lens = {16: ([400, 1, 300, 129, 200], [1, 1, 45, 129, 100]), 128: ([300, 333], [300, 60])}[block_size]
+    if (mods, q_tiles) == ("causal", 3):  # a chunk of 512 over 128 cached: its first q block has a full page
+        seq_lens, query_lens = [640], [512]
     rng = random.Random(block_size)
     q, kc, vc, tables = make_paged_batch(rng, seq_lens, query_lens, block_size, 8, 2, D,
                                          dtype=torch.bfloat16, device="cuda")
     with flex_prefill("flash"):
+        default_flex().q_tiles = q_tiles  # (the engine's choice: reserve_workspace, prefill_kernel.fa4_q_tiles)
         out = paged_attention(q, kc, vc, torch.tensor(tables, dtype=torch.int32, device="cuda"),
                               torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
                               torch.tensor(query_lens, dtype=torch.int32, device="cuda"),

@@ -1,18 +1,19 @@
 """Prefill tiles that read the pool's 128-token pages in place (metadata.tile_page_lists + the direct paged mask):
 every key a row may see is visited exactly once, at its own physical page, also where requests of one tile share
-pages of a cached prefix. The kernel is simulated here from the lists: a full page's keys all count, a partial
-page's keys count where the mask says so."""
+pages of a cached prefix, and where q blocks of several tiles (FA4's 384-row blocks) hold several requests. The
+kernel is simulated here from the lists: a full page's keys all count, a partial page's keys count where the mask
+says so."""
 import random
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flexengine import masks
 from flexengine.attention.backends.flex import paged_mask
 from flexengine.attention.layout import DEAD_KV0, KV_TILE, Q_TILE, plan_layout
 from flexengine.attention.metadata import build_metadata, tile_page_lists
-from test_metadata import CASES
+from test_metadata import CASE_LIST, CASES
 
 P = KV_TILE
 
@@ -32,17 +33,19 @@ def make_shared_step(rng, reqs):
     return [row + [rng.randrange(NB) for _ in range(width - len(row))] for row in own], NB  # garbage past the pages
 
 
-def visited_keys(meta, mask_mod, lists, t):
-    """{row: [(page, offset) each time the simulated kernel reads that key for the row]} for tile t."""
+def visited_keys(meta, mask_mod, lists, t, group):
+    """{row: [(page, offset) each time the simulated kernel reads that key for the row]} for q block t of `group`
+    tiles (the last block may hold fewer)."""
     kv_num, kv_idx, full_num, full_idx = lists
-    rows = torch.arange(t * Q_TILE, (t + 1) * Q_TILE)[:, None]
-    seen = {r: [] for r in range(t * Q_TILE, (t + 1) * Q_TILE)}
+    first, end = t * group * Q_TILE, min((t + 1) * group, meta.layout.num_tiles) * Q_TILE
+    rows = torch.arange(first, end)[:, None]
+    seen = {r: [] for r in range(first, end)}
     mask = paged_mask(meta, mask_mod, False, direct=True)
     offsets = torch.arange(P)[None, :]
     for page in kv_idx[t, : kv_num[t]].tolist():
         allowed = mask(0, torch.tensor(0), rows, page * P + offsets)
         for r, off in allowed.nonzero().tolist():
-            seen[t * Q_TILE + r].append((page, off))
+            seen[first + r].append((page, off))
     for page in full_idx[t, : full_num[t]].tolist():
         for r in seen:
             seen[r] += [(page, off) for off in range(P)]
@@ -51,8 +54,10 @@ def visited_keys(meta, mask_mod, lists, t):
 
 @settings(max_examples=40, deadline=None)
 @given(CASES, st.lists(st.tuples(st.integers(1, 600), st.sampled_from(["decode", "prefill", "chunk", "short"])),
-                       min_size=1, max_size=5), st.integers(0, 10_000))
-def test_each_allowed_key_is_visited_once_at_its_page(case, shapes, seed):
+                       min_size=1, max_size=5), st.integers(0, 10_000), st.sampled_from([1, 2, 3]))
+@example(CASE_LIST[0], [(600, "prefill")], 0, 3)  # a block of one request with full pages, and a short last block
+@example(CASE_LIST[1], [(40, "short"), (600, "prefill"), (300, "prefill")], 0, 3)  # blocks of one and of two requests
+def test_each_allowed_key_is_visited_once_at_its_page(case, shapes, seed, group):
     mask_mod, plain = masks.get_mask_mod(case[0]), case[1]
     rng = random.Random(seed)
     reqs = [(L, {"decode": 1, "prefill": L, "chunk": rng.randint(1, L), "short": min(L, rng.randint(2, 9))}[kind])
@@ -63,10 +68,10 @@ def test_each_allowed_key_is_visited_once_at_its_page(case, shapes, seed):
     meta = build_metadata(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
                           torch.empty(0, dtype=torch.long), layout, P, NB)
     capacity = len(meta.ws_src)
-    lists = tile_page_lists(meta, mask_mod, [], capacity)
-    assert all(x.shape[0] == layout.num_tiles for x in lists)
-    for t in range(layout.num_tiles):
-        for r, keys in visited_keys(meta, mask_mod, lists, t).items():
+    lists = tile_page_lists(meta, mask_mod, [], capacity, group)
+    assert all(x.shape[0] == -(-layout.num_tiles // group) for x in lists)
+    for t in range(lists[0].shape[0]):
+        for r, keys in visited_keys(meta, mask_mod, lists, t, group).items():
             if layout.prefill_kv0[r] == DEAD_KV0:  # a decode token's or padding: its output is never read (a full
                 continue                            # page counts for it as for every row of the tile)
             b, q = int(layout.prefill_req[r]), int(layout.prefill_pos[r])

@@ -187,30 +187,51 @@ def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tenso
     return kv_num, kv_idx, full_num, full_idx
 
 
-def tile_page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor], capacity: int):
-    """Per prefill tile of a step whose pages are KV_TILE tokens, read in place (no workspace): the partial and the
-    full page lists over the pool, [tiles, capacity]. A tile lists its segments' pages one after another; a page
-    two of its requests share (a cached prefix) is listed once (the mask then finds whose row may read it). As in
-    workspace_lists, only a tile of one segment has full pages."""
+def tile_page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor], capacity: int,
+                    group: int = 1):
+    """Per q block of `group` prefill tiles (FA4's wider tiles need blocks of several: prefill_kernel.fa4_q_tiles),
+    of a step whose pages are KV_TILE tokens, read in place (no workspace): the partial and the full page lists over
+    the pool, [blocks, capacity]. A block lists its segments' pages one after another; a page two of its segments
+    list (a cached prefix, or one request's pages in consecutive tiles) is listed once (the mask then finds whose row
+    may read it). A block has full pages only where its segments are of one request, and only those full for each
+    of them, since a block all-true for one request's rows is dead for another's. `capacity` bounds the distinct
+    pages of a block (the workspace's pages do)."""
     lay, P = meta.layout, meta.block_size
+    blocks = -(-lay.num_tiles // group)
     if lay.num_segments == 0:  # tiles of padding alone
-        counts, lists = meta.block_tables.new_zeros(lay.num_tiles), meta.block_tables.new_zeros(lay.num_tiles, capacity)
+        counts, lists = meta.block_tables.new_zeros(blocks), meta.block_tables.new_zeros(blocks, capacity)
         return counts, lists, counts, lists
     first = lay.num_decode * lay.decode_splits
     rows = slice(first, first + lay.num_segments)
     lo, flo, fhi, hi = block_ranges(meta, mask_mod, param_values, rows, P)
-    single = meta.tile_single[meta.seg_tile]
+    tables, req = meta.block_tables, meta.span_req[rows]
+    seg_block = meta.seg_tile // group  # padding segments sit in tile 0, hold nothing and are kept out below
+    if group == 1:
+        single, lead = meta.tile_single[meta.seg_tile], torch.ones_like(meta.span_valid[rows])
+    else:  # one request per block, its full range where every segment's is full (a segment without keys: none)
+        valid = meta.span_valid[rows]
+
+        def per_block(values, reduce, init):
+            out = torch.full((blocks,), init, dtype=torch.long, device=lo.device)
+            return out.scatter_reduce_(0, seg_block, torch.where(valid, values, init), reduce)[seg_block]
+
+        big = 1 << 40
+        single = valid & (per_block(req, "amin", big) == per_block(req, "amax", -1))
+        flo, fhi = per_block(flo, "amax", 0), per_block(fhi, "amin", big)
+        single = single & (fhi > flo)
+        lead = torch.ones_like(valid)  # each block's full list comes from its first segment
+        lead[1:] = seg_block[1:] != seg_block[:-1]
     flo, fhi = torch.where(single, flo, hi), torch.where(single, fhi, hi)
     n_left = flo - lo
-    tables, req = meta.block_tables, meta.span_req[rows]
     M, none = tables.shape[1], meta.num_blocks  # `none`: past every page, so it sorts last
+    width = group * capacity  # one request's pages listed by each of its segments in a block, before repeats go
 
-    def per_tile(counts, logical):  # the segments' blocks (logical(segment, k) for k < count), concatenated per tile
+    def per_tile(counts, logical):  # the segments' blocks (logical(segment, k) for k < count), concatenated per block
         end = counts.cumsum(0)
         start = end - counts
-        tile_count = torch.zeros(lay.num_tiles, dtype=torch.long, device=lo.device).scatter_add_(0, meta.seg_tile, counts)
+        tile_count = torch.zeros(blocks, dtype=torch.long, device=lo.device).scatter_add_(0, seg_block, counts)
         tile_start = tile_count.cumsum(0) - tile_count  # real segments come in tile order; padding ones hold nothing
-        j = torch.arange(capacity, device=lo.device)[None, :]
+        j = torch.arange(width, device=lo.device)[None, :]
         g = tile_start[:, None] + j
         seg = torch.searchsorted(end, g, right=True).clamp(max=len(counts) - 1)
         pages = tables[req[seg], logical(seg, g - start[seg]).clamp(0, M - 1)].long().clamp(0, none - 1)
@@ -218,12 +239,13 @@ def tile_page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.
 
     partial, kv_num = per_tile(n_left + (hi - fhi), lambda s, k: torch.where(k < n_left[s], lo[s] + k,
                                                                              fhi[s] + k - n_left[s]))
-    full, full_num = per_tile(fhi - flo, lambda s, k: flo[s] + k)
-    # A shared page appears once per request that reads it: sort, drop repeats, and sort them to the end.
+    full, full_num = per_tile(torch.where(lead, fhi - flo, 0), lambda s, k: flo[s] + k)
+    # A shared page appears once per segment that reads it: sort, drop repeats, and sort them to the end.
     partial = partial.sort(dim=1).values
     repeat = torch.zeros_like(partial, dtype=torch.bool)
     repeat[:, 1:] = partial[:, 1:] == partial[:, :-1]
-    partial = torch.where(repeat, none, partial).sort(dim=1).values
+    partial = torch.where(repeat, none, partial).sort(dim=1).values[:, :capacity]
+    full = full[:, :capacity]
     kv_num = (partial < none).sum(1)
     return (kv_num.int(), torch.where(partial < none, partial, 0).int(), full_num.int(),
             torch.where(full < none, full, 0).int())

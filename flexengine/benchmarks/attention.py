@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.backends import flex as flex_backend
+from ..attention.backends import prefill_kernel
 from ..attention.backends.flex import FlexBackend
 from ..attention.metadata import build_metadata
 from ..attention.layout import choose_decode_splits, plan_layout, workspace_tokens
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-from", choices=("pages", "workspace"), default="pages",
                    help="where 128-token pages prefill from: the pool in place (the engine's default) or a copy in the "
                         "workspace (as smaller pages do)")
+    p.add_argument("--fa4-q-tiles", type=int, default=None, metavar="N",
+                   help="128-row prefill tiles per q block of the FA4 call (default: the engine's choice, "
+                        "attention/backends/prefill_kernel.py's fa4_q_tiles: 3 on Hopper at head size <= 64, else 1)")
     p.add_argument("--decode-cases", default=None, metavar="BxCTX,...",
                    help="the decode rows, as batch x context pairs (default: " +
                         ",".join(f"{b}x{c}" for b, c in DECODE) + ")")
@@ -176,6 +180,7 @@ def main(args) -> int:
     device = torch.device("cuda")
     Hq, Hkv, D = args.heads, args.kv_heads, args.head_dim
     flex_backend.DIRECT_PAGES = args.prefill_from == "pages"
+    prefill_kernel.FA4_Q_TILES = args.fa4_q_tiles
     random.seed(0)
     rows = []
     mods = parse_mods(args.mask, args.score, Hq)

@@ -172,10 +172,11 @@ def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, workspace_pages: int,
-                      direct: bool = False):
+                      direct: bool = False, q_tiles: int = 1):
     """(decode BlockMask or None, prefill BlockMask or None) for one logical mask. Decode rows read
     the pool's pages; prefill tiles read KV_TILE blocks of a workspace of `workspace_pages` pages, or with
-    `direct` (pages of KV_TILE tokens) the pool's pages in place, at most `workspace_pages` a tile."""
+    `direct` (pages of KV_TILE tokens) the pool's pages in place, at most `workspace_pages` a q block of
+    `q_tiles` tiles."""
     lay, P = meta.layout, meta.block_size
     values = param_values(meta, mask_mod, MASK_ARGS)
     Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
@@ -193,10 +194,11 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
             seq_lengths=(1, M * P), compute_q_blocks=False)
     if Tp and direct:
         M = meta.num_blocks
-        kv_num, kv_idx, full_num, full_idx = tile_page_lists(meta, mask_mod, values, workspace_pages)
+        kv_num, kv_idx, full_num, full_idx = tile_page_lists(meta, mask_mod, values, workspace_pages, q_tiles)
+        Tb = kv_num.shape[0]  # q blocks: the last may hold fewer than q_tiles tiles
         pre = BlockMask.from_kv_blocks(
-            kv_num.view(1, 1, Tp), _pool_wide(kv_idx, M).view(1, 1, Tp, M), full_num.view(1, 1, Tp),
-            _pool_wide(full_idx, M).view(1, 1, Tp, M), BLOCK_SIZE=(Q_TILE, P),
+            kv_num.view(1, 1, Tb), _pool_wide(kv_idx, M).view(1, 1, Tb, M), full_num.view(1, 1, Tb),
+            _pool_wide(full_idx, M).view(1, 1, Tb, M), BLOCK_SIZE=(q_tiles * Q_TILE, P),
             mask_mod=paged_mask(meta, mask_mod, False, direct=True), seq_lengths=(Tp * Q_TILE, M * P),
             compute_q_blocks=False)
     elif Tp:
@@ -279,6 +281,7 @@ class FlexBackend:
         self.workspace_pages: int | None = None
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self.prefill_kernel = PrefillKernel()  # FA4 or Triton for the compiled prefill call
+        self.q_tiles = 1  # prefill tiles per q block of the in-place prefill call (reserve_workspace chooses)
 
     def reserve_workspace(self, pages: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> None:
         """Allocate the engine's prefill workspace (K and V, shared by every layer: they run one after
@@ -286,6 +289,7 @@ class FlexBackend:
         step = KV_TILE // math.gcd(block_size, KV_TILE)  # pages per whole number of KV tiles
         self.workspace_pages = -(-pages // step) * step
         if self.direct(block_size, torch.device(device)):  # (its size still bounds what a tile lists)
+            self.q_tiles = self.prefill_kernel.q_tiles(torch.device(device), dtype, head_dim)
             return
         shape = (self.workspace_pages, block_size, num_kv_heads, head_dim)
         self._workspace = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -353,7 +357,8 @@ class FlexBackend:
         for mask_mod, score_mod in mods:
             if mask_mod not in masks:  # eager: dense masks instead, made when a layer first asks (dense_mask)
                 pages = self.workspace_pages if self.workspace_pages is not None else len(meta.ws_src)
-                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only, pages, direct) if compiled else (None, None)
+                masks[mask_mod] = build_block_masks(view, mask_mod, listed_only, pages, direct,
+                                                     self.q_tiles) if compiled else (None, None)
             if score_mod not in scores:
                 scores[score_mod] = (paged_score(view, score_mod, True),
                                      paged_score(view, score_mod, False, workspace=compiled and not direct, direct=direct))

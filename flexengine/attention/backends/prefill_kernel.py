@@ -48,16 +48,15 @@ def fa4_installed() -> str | None:
     return None
 
 
-def fa4_unsupported_reason(query: torch.Tensor) -> str | None:
-    """Why FA4 cannot run this prefill call, or None."""
-    if query.device.type != "cuda":
+def fa4_unsupported_reason(device: torch.device, dtype: torch.dtype, D: int) -> str | None:
+    """Why FA4 cannot run prefill calls of head size D in `dtype` on `device`, or None."""
+    if device.type != "cuda":
         return "FA4 needs a CUDA device"
-    major, _ = torch.cuda.get_device_capability(query.device)
-    D = query.shape[-1]
+    major, _ = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         return f"FA4 runs on Hopper and Blackwell (compute capability 9.x, 10.x), not {major}.x"
-    if query.dtype not in (torch.float16, torch.bfloat16):
-        return f"FA4 computes in float16/bfloat16, not {query.dtype}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"FA4 computes in float16/bfloat16, not {dtype}"
     if D % 8 or D > (256 if major == 9 else 128):
         return f"FA4 does not take head size {D} on compute capability {major}.x"
     return fa4_installed()
@@ -85,6 +84,22 @@ def use_fast_tanh() -> bool:
     return True
 
 
+# Prefill tiles (Q_TILE rows) per q block of the FA4 call; None: fa4_q_tiles. Benchmarks set it
+# (scripts/fa4_tile_probe.py measures the kernel alone).
+FA4_Q_TILES: int | None = None
+
+
+def fa4_q_tiles(device: torch.device, head_dim: int) -> int:
+    """Prefill tiles of 128 rows that make one q block of the FA4 call. On Hopper at head size <= 64, FA4's
+    forward takes 192-row tiles, its fastest there, only when the block mask's q block is a multiple of 192
+    (flash_attn.cute.interface._tile_size_fwd_sm90), so three tiles (384 rows) make one block. H100, session 30
+    (scripts/fa4_tile_probe.py): an 8,192-token causal chunk over 65,536 keys ran at 500 TFLOP/s in 128-row
+    blocks and 544 in 384-row ones, over 16,384 keys 463 and 526. Elsewhere one tile."""
+    if FA4_Q_TILES is not None:
+        return FA4_Q_TILES
+    return 3 if torch.cuda.get_device_capability(device)[0] == 9 and head_dim <= 64 else 1
+
+
 class PrefillKernel:
     """The per-backend choice; `options(query)` gives the kernel_options of one prefill call."""
 
@@ -92,18 +107,28 @@ class PrefillKernel:
         self.mode = env_flex_prefill_kernel()
         self.flash: bool | None = None  # decided at the first compiled prefill call (needs the device)
 
-    def options(self, query: torch.Tensor) -> dict:
-        if PREFILL_KERNEL_OPTIONS is not None:
-            return dict(PREFILL_KERNEL_OPTIONS)
+    def decide(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether FA4 serves the prefill calls (decided once, said once)."""
         if self.flash is None:
-            reason = None if self.mode == "triton" else fa4_unsupported_reason(query)
+            reason = None if self.mode == "triton" else fa4_unsupported_reason(device, dtype, head_dim)
             if self.mode == "flash" and reason:
                 raise ValueError(f"FLEXENGINE_FLEX_PREFILL=flash, but {reason}")
             self.flash = self.mode != "triton" and reason is None
-            if self.mode == "auto" and query.is_cuda:
+            if self.mode == "auto" and device.type == "cuda":
                 logger.info("flex prefill kernel: %s", "FlashAttention-4" if self.flash else
                             f"Triton ({reason}; FLEXENGINE_FLEX_PREFILL=triton|flash chooses)")
-        if self.flash:
+        return self.flash
+
+    def q_tiles(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> int:
+        """Prefill tiles per q block of the prefill BlockMask: fa4_q_tiles where FA4 serves, else one."""
+        if PREFILL_KERNEL_OPTIONS is not None or not self.decide(device, dtype, head_dim):
+            return 1
+        return fa4_q_tiles(device, head_dim)
+
+    def options(self, query: torch.Tensor) -> dict:
+        if PREFILL_KERNEL_OPTIONS is not None:
+            return dict(PREFILL_KERNEL_OPTIONS)
+        if self.decide(query.device, query.dtype, query.shape[-1]):
             use_fast_tanh()
             return dict(FLASH_OPTIONS)
         return triton_options(query.shape[-1]) if query.is_cuda else {}  # (Inductor's CPU template: its own)
