@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="8192,16384,32768,65536", help="prompt lengths, comma-separated")
     p.add_argument("--total-tokens", type=int, default=65536, help="prompt tokens per row (prompts = this / length)")
     p.add_argument("--skip-transformers", action="store_true", help="flexengine only (no ratio)")
+    p.add_argument("--fa4-q-tiles", type=int, default=None, metavar="N",
+                   help="128-row prefill tiles per q block of the FA4 call (default: the engine's choice, "
+                        "attention/backends/prefill_kernel.py)")
     add_engine_arguments(p)
 
 
@@ -62,6 +65,8 @@ def transformers_prefill(args, prompts: dict[int, torch.Tensor]) -> tuple[dict[i
 def flexengine_prefill(args, prompts: dict[int, torch.Tensor]) -> tuple[dict[int, list[float]], float, int]:
     """{length: [seconds of run 1, run 2]} (run 2 on prompts + 1: nothing cached), build seconds, max_model_len."""
     from flexengine import SamplingParams
+    from flexengine.attention.backends import prefill_kernel
+    prefill_kernel.FA4_Q_TILES = args.fa4_q_tiles
     llm, built = build_llm(args)
     max_len = llm.llm_engine.max_model_len
     print(f"LLM built in {built:.1f} s; max_model_len {max_len}", flush=True)
