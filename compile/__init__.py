@@ -1,7 +1,8 @@
 """torch.compile policy, warm-up and CUDA-graph capture for the model runner."""
 from .policy import (RECOMPILE_LIMIT, allow_recompiles, bucket, compile_count, compiled_on_first_use, configure_dynamo,
                      decode_buckets, fused, fused_elementwise, pdl_options, reset_fused, set_fused_elementwise,
-                     tile_bucket)
+                     tile_bucket, wide_q_tiles)
 
 __all__ = ["RECOMPILE_LIMIT", "allow_recompiles", "bucket", "compile_count", "compiled_on_first_use", "configure_dynamo",
-           "decode_buckets", "fused", "fused_elementwise", "pdl_options", "reset_fused", "set_fused_elementwise", "tile_bucket"]
+           "decode_buckets", "fused", "fused_elementwise", "pdl_options", "reset_fused", "set_fused_elementwise", "tile_bucket",
+           "wide_q_tiles"]

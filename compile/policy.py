@@ -83,6 +83,24 @@ def tile_buckets(top: int) -> list[int]:
     return out
 
 
+# Contexts (tokens before a chunk) from which a prefill step takes the backend's wide q blocks (FA4's 192-row tiles:
+# attention/backends/prefill_kernel.fa4_q_tiles). A wide block's diagonal pages are all partial, the paged mask then
+# runs on three times the keys: on the H100 at head size 64, 2 x 4,096 prompts ran 391 -> 579 µs, while the kernel
+# over a 16,384- and a 65,536-token context gained 15% and 9% (docs/benchmarks.md, session 30).
+WIDE_Q_MIN_CONTEXT = 16384
+
+
+def wide_q_tiles(wide: int, query_lens, seq_lens, tiles: int, top_tiles: int) -> int:
+    """Prefill tiles per q block of a step of `tiles` (a bucket) whose requests have these query and sequence
+    lengths (numpy): `wide` where the step fills the largest bucket, `top_tiles`, and every prefilling request
+    reads at least WIDE_Q_MIN_CONTEXT tokens before its chunk (the later chunks of a long prompt); else 1. Only
+    the largest bucket, so that one compile per mask more covers them (compile/warmup.py)."""
+    pre = query_lens > 1
+    if wide == 1 or tiles != top_tiles or not pre.any():
+        return 1
+    return wide if int((seq_lens[pre] - query_lens[pre]).min()) >= WIDE_Q_MIN_CONTEXT else 1
+
+
 _FUSE = {"enabled": False, "combo": False}
 _FUSED: list = []  # every `fused` wrapper, for reset_fused
 

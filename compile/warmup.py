@@ -91,8 +91,22 @@ def prompt_lengths(runner, tiles: int, beside: int = 0) -> list[int] | None:
 
 
 def shape_classes(runner) -> int:
-    """Compiled flex graphs the engine needs: one per bucket and per distinct (mask, score) pair."""
-    return (len(prefill_buckets(runner)) + len(decode_buckets(runner.config.max_num_seqs))) * len(set(runner.mods))
+    """Compiled flex graphs the engine needs: one per bucket (and the wide-q-block step) and per distinct (mask,
+    score) pair."""
+    buckets = len(prefill_buckets(runner)) + len(decode_buckets(runner.config.max_num_seqs))
+    return (buckets + (wide_prefill_step(runner) is not None)) * len(set(runner.mods))
+
+
+def wide_prefill_step(runner) -> tuple[int, int] | None:
+    """(tokens, cached) of a one-request step that takes wide q blocks (compile.wide_q_tiles: the largest bucket,
+    filled, over a long context), or None when no step can."""
+    from ..attention.layout import Q_TILE
+    from .policy import WIDE_Q_MIN_CONTEXT
+    tokens = min(runner.max_prefill_tiles * Q_TILE, runner.config.max_num_batched_tokens)
+    if getattr(runner.backend, "q_tiles", 1) == 1 or not tokens \
+            or WIDE_Q_MIN_CONTEXT + tokens > runner.max_model_len:
+        return None
+    return tokens, WIDE_Q_MIN_CONTEXT
 
 
 def dummy_seqs(runner, num_seqs: int, tokens_each: int, cached: int = 0, first: int = 0) -> list:
@@ -186,6 +200,9 @@ def warm_up_steps(runner, decode: bool = False) -> float:
         lengths = prompt_lengths(runner, b)
         if lengths is not None:  # (None: no step can pad to this bucket)
             run_dummy(runner, dummy_prompts(runner, lengths), lengths)
+    wide = wide_prefill_step(runner)
+    if wide is not None:
+        dummy_step(runner, 1, *wide)
     if decode:
         for b in decode_buckets(runner.config.max_num_seqs):
             dummy_step(runner, b, 1)

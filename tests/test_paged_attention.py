@@ -201,7 +201,7 @@ def test_flex_fa4_prefill_on_gpu(mods, D, block_size, q_tiles, caplog):
     q, kc, vc, tables = make_paged_batch(rng, seq_lens, query_lens, block_size, 8, 2, D,
                                          dtype=torch.bfloat16, device="cuda")
     with flex_prefill("flash"):
-        default_flex().q_tiles = q_tiles  # (the engine's choice: reserve_workspace, prefill_kernel.fa4_q_tiles)
+        default_flex().q_tiles = q_tiles  # (the engine's: reserve_workspace and ModelRunner.wide_q_tiles choose)
         out = paged_attention(q, kc, vc, torch.tensor(tables, dtype=torch.int32, device="cuda"),
                               torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
                               torch.tensor(query_lens, dtype=torch.int32, device="cuda"),

@@ -77,3 +77,23 @@ def test_each_allowed_key_is_visited_once_at_its_page(case, shapes, seed, group)
             b, q = int(layout.prefill_req[r]), int(layout.prefill_pos[r])
             want = [(tables[b][kv // P], kv % P) for kv in range(seq_lens[b]) if plain(b, 0, q, kv)]
             assert sorted(keys) == sorted(want), f"tile {t} row {r} (request {b}, position {q})"
+
+
+def test_wide_q_blocks_only_for_long_contexts_in_the_largest_bucket():
+    """compile.wide_q_tiles: a step takes the backend's wide q blocks only when it fills the largest prefill bucket and
+    every prefilling request reads a long context before its chunk (a wide block's diagonal pages are all partial,
+    which costs more than it gains over short contexts); decode rows do not count."""
+    import numpy as np
+    from flexengine.compile import wide_q_tiles
+    from flexengine.compile.policy import WIDE_Q_MIN_CONTEXT as C
+
+    def choose(query_lens, seq_lens, tiles=64, wide=3, top=64):
+        return wide_q_tiles(wide, np.array(query_lens), np.array(seq_lens), tiles, top)
+
+    assert choose([8192], [C + 8192]) == 3                  # a later chunk of a long prompt
+    assert choose([1, 8000], [40, C + 8000]) == 3           # with a decode row beside it
+    assert choose([8192], [C - 1 + 8192]) == 1              # context one token short
+    assert choose([4096, 4096], [C + 4096, 4096]) == 1      # one prefill over a short context
+    assert choose([8192], [C + 8192], tiles=56) == 1        # not the largest bucket
+    assert choose([8192], [C + 8192], wide=1) == 1          # the backend has no wide blocks
+    assert choose([1, 1], [C, C]) == 1                      # decode only

@@ -70,6 +70,7 @@ class StepLayout:
     ws_page: np.ndarray = None
     # Split-KV inside the decode kernel (flex's SPLIT_KV programs over each of its rows; decode_splits is then 1)
     kernel_splits: int = 1
+    q_tiles: int = 1  # prefill tiles per q block of the in-place prefill call (the model runner's wide_q_tiles)
 
     @property
     def decode_req(self) -> np.ndarray:
@@ -124,7 +125,7 @@ def split_rows_or_programs(decode_splits: int, num_decode: int) -> tuple[int, in
 
 def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int = 0,
                 pad_tiles_to: int = 0, decode_splits: int = 1, block_size: int | None = None,
-                pad_workspace_to: int = 0, pad_segments_to: int = 0) -> StepLayout:
+                pad_workspace_to: int = 0, pad_segments_to: int = 0, q_tiles: int = 1) -> StepLayout:
     """Place each request's queries: query_len 1 → decode rows, longer → prefill rows of the token
     buffer's tiles; with `block_size`, also the prefill workspace (pages, padded to `pad_workspace_to`)."""
     assert decode_splits >= 1 and len(query_lens) > 0
@@ -191,6 +192,7 @@ def plan_layout(query_lens: list[int], seq_lens: list[int], pad_decode_to: int =
         seg_tile=np.concatenate([seg_tile, z(seg_pad)]), tile_single=tile_single,
         prefill_req=row_req, prefill_pos=row_pos, prefill_kv0=row_kv0,
         decode_src=decode_src, decode_dst=decode_dst, ws_req=ws_req, ws_page=ws_page, kernel_splits=kernel_splits,
+        q_tiles=q_tiles,
     )
 
 

@@ -96,7 +96,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     impl = get_backend(backend, [(mask_fn, score_fn)], head_dim=D, block_size=key_cache.shape[1], dtype=query.dtype)
     NB, P, Hkv = key_cache.shape[:3]
     splits = choose_decode_splits(sum(n == 1 for n in ql), Hkv, query.device)
-    layout = plan_layout(ql, sl, decode_splits=splits, block_size=P)
+    layout = plan_layout(ql, sl, decode_splits=splits, block_size=P, q_tiles=getattr(impl, "q_tiles", 1))
     params = {k: torch.as_tensor(v, device=query.device) for k, v in (attention_params or {}).items()}
     check_mods(mask_fn, score_fn, params, Hq, sl, query.device)
     meta = build_metadata(block_tables.to(torch.int32), seq_lens.to(torch.int32),

@@ -27,7 +27,7 @@ from ..attention.metadata import AttentionMetadata, build_metadata
 from ..attention.layout import (Q_TILE, choose_decode_splits, segment_capacity, split_rows_or_programs,
                                 workspace_tokens)
 from ..attention.staging import to_device
-from ..compile import bucket, decode_buckets, fused_elementwise, tile_bucket
+from ..compile import bucket, decode_buckets, fused_elementwise, tile_bucket, wide_q_tiles
 from ..compile.mixed_graphs import MAX_GRAPH_TILES, MixedKey, graph_workspace_pages
 from ..config import EngineConfig, resolve_device
 from ..layers import gemv as one_row_gemv
@@ -121,6 +121,10 @@ class ModelRunner:
         # Compiled flex prefills from a workspace of fixed size (attention/metadata.py), made before the
         # KV cache is sized; the scheduler keeps each step's prefill contexts within it.
         self.workspace_tokens = None
+        # The largest prefill bucket: its steps over long contexts may take wide q blocks (compile.wide_q_tiles),
+        # unless a mixed CUDA graph (keyed without them) serves it
+        top = -(-config.max_num_batched_tokens // Q_TILE)
+        self.max_prefill_tiles = tile_bucket(top) if tile_bucket(top) > MAX_GRAPH_TILES else 0
         if self.static_shapes:
             pages = -(-workspace_tokens_wanted(config, self.hf_config) // self.block_size)
             self.backend.reserve_workspace(pages, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
@@ -224,7 +228,8 @@ class ModelRunner:
         num_decode = int((query_lens == 1).sum())
         tiles = tile_bucket(-(-int(query_lens.sum()) // Q_TILE)) if num_decode < len(query_lens) else 0
         rows = bucket(num_decode, self.decode_buckets) if num_decode else 0
-        return dict(pad_decode_to=rows, pad_tiles_to=tiles,
+        wide = wide_q_tiles(getattr(self.backend, "q_tiles", 1), query_lens, seq_lens, tiles, self.max_prefill_tiles)
+        return dict(pad_decode_to=rows, pad_tiles_to=tiles, q_tiles=wide,
                     pad_segments_to=segment_capacity(tiles, self.config.max_num_seqs),
                     decode_splits=choose_decode_splits(rows, self.num_kv_heads, self.device),
                     block_size=self.block_size, pad_workspace_to=self.workspace_bucket(query_lens, seq_lens, tiles))

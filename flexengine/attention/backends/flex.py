@@ -121,12 +121,21 @@ def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: boo
     return mask
 
 
+ROWS_ALIGN = 384  # rows of the prefill mods' tables: a multiple of every q tile the kernels take (128, 192)
+
+
 def _prefill_rows(meta: AttentionMetadata):
     """Each prefill row's request, position and workspace start, as int32: the index arithmetic of the
     mods then stays in 32 bits, as FlashAttention-4's CuTe code generator requires (it refused int64).
     Made once per step, for every mask and score mod."""
     if "prefill_rows" not in meta.backend_state:
-        meta.backend_state["prefill_rows"] = (meta.prefill_req.int(), meta.prefill_pos.int(), meta.prefill_kv0.int())
+        # dead rows up to a whole number of ROWS_ALIGN: FA4's 192-row tiles evaluate the mods on rows past the
+        # call's last (an out-of-bounds read of these tables, and an illegal address in the engine, without them)
+        # (the last row's request and position, which the mods may read: a dead row's are a live token's)
+        pad = -len(meta.prefill_req) % ROWS_ALIGN
+        more = lambda t: torch.cat([t, t[-1:].expand(pad)]).int() if pad else t.int()  # noqa: E731
+        meta.backend_state["prefill_rows"] = (more(meta.prefill_req), more(meta.prefill_pos),
+                                              F.pad(meta.prefill_kv0.int(), (0, pad), value=DEAD_KV0))
     return meta.backend_state["prefill_rows"]
 
 
@@ -281,7 +290,7 @@ class FlexBackend:
         self.workspace_pages: int | None = None
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self.prefill_kernel = PrefillKernel()  # FA4 or Triton for the compiled prefill call
-        self.q_tiles = 1  # prefill tiles per q block of the in-place prefill call (reserve_workspace chooses)
+        self.q_tiles = 1  # prefill tiles per q block of long steps' in-place prefill call (reserve_workspace chooses)
 
     def reserve_workspace(self, pages: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> None:
         """Allocate the engine's prefill workspace (K and V, shared by every layer: they run one after
@@ -358,7 +367,7 @@ class FlexBackend:
             if mask_mod not in masks:  # eager: dense masks instead, made when a layer first asks (dense_mask)
                 pages = self.workspace_pages if self.workspace_pages is not None else len(meta.ws_src)
                 masks[mask_mod] = build_block_masks(view, mask_mod, listed_only, pages, direct,
-                                                     self.q_tiles) if compiled else (None, None)
+                                                     meta.layout.q_tiles) if compiled else (None, None)
             if score_mod not in scores:
                 scores[score_mod] = (paged_score(view, score_mod, True),
                                      paged_score(view, score_mod, False, workspace=compiled and not direct, direct=direct))
