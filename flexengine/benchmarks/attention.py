@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where 128-token pages prefill from: the pool in place (the engine's default) or a copy in the "
                         "workspace (as smaller pages do)")
     p.add_argument("--fa4-q-tiles", type=int, default=None, metavar="N",
-                   help="128-row prefill tiles per q block of the FA4 call (default: the engine's choice, "
-                        "attention/backends/prefill_kernel.py's fa4_q_tiles: 3 on Hopper at head size <= 64, else 1)")
+                   help="128-row prefill tiles per q block of the FA4 call (default 1, as the engine takes for these "
+                        "rows' short contexts; it takes 3 for long ones on Hopper at head size <= 64: compile.wide_q_tiles)")
     p.add_argument("--decode-cases", default=None, metavar="BxCTX,...",
                    help="the decode rows, as batch x context pairs (default: " +
                         ",".join(f"{b}x{c}" for b, c in DECODE) + ")")
@@ -113,8 +113,11 @@ def captured_flex_call(seq_lens, query_lens, page, Hq, Hkv, D, device, mods):
     slots = torch.empty(0, dtype=torch.long, device=device)
 
     def build():
-        meta = build_metadata(bt, sl, slots, plan_layout(query_lens, seq_lens, decode_splits=splits, block_size=page),
-                              page, kc.shape[0])
+        # wide q blocks only where --fa4-q-tiles asks: the engine takes them for long contexts (compile.wide_q_tiles),
+        # which no row here has
+        q_tiles = backend.q_tiles if prefill_kernel.FA4_Q_TILES else 1
+        layout = plan_layout(query_lens, seq_lens, decode_splits=splits, block_size=page, q_tiles=q_tiles)
+        meta = build_metadata(bt, sl, slots, layout, page, kc.shape[0])
         meta.backend = backend
         backend.prepare(meta, [mods])
         return meta

@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-tokens", type=int, default=65536, help="prompt tokens per row (prompts = this / length)")
     p.add_argument("--skip-transformers", action="store_true", help="flexengine only (no ratio)")
     p.add_argument("--fa4-q-tiles", type=int, default=None, metavar="N",
-                   help="128-row prefill tiles per q block of the FA4 call (default: the engine's choice, "
-                        "attention/backends/prefill_kernel.py)")
+                   help="128-row prefill tiles per q block of the FA4 call in steps over long contexts (default: the "
+                        "engine's, 3 on Hopper at head size <= 64: compile.wide_q_tiles; 1 turns the wide blocks off)")
     add_engine_arguments(p)
 
 
