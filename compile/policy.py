@@ -86,7 +86,7 @@ def tile_buckets(top: int) -> list[int]:
 # Contexts (tokens before a chunk) from which a prefill step takes the backend's wide q blocks (FA4's 192-row tiles:
 # attention/backends/prefill_kernel.fa4_q_tiles). A wide block's diagonal pages are all partial, the paged mask then
 # runs on three times the keys: on the H100 at head size 64, 2 x 4,096 prompts ran 391 -> 579 µs, while the kernel
-# over a 16,384- and a 65,536-token context gained 15% and 9% (docs/benchmarks.md, session 30).
+# over a 16,384- and a 65,536-token context gained 14% and 9% in TFLOP/s (docs/benchmarks.md, session 30).
 WIDE_Q_MIN_CONTEXT = 16384
 
 
