@@ -206,8 +206,9 @@ def tile_page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.
     lo, flo, fhi, hi = block_ranges(meta, mask_mod, param_values, rows, P)
     tables, req = meta.block_tables, meta.span_req[rows]
     seg_block = meta.seg_tile // group  # padding segments sit in tile 0, hold nothing and are kept out below
+    lead = None  # (group > 1) the segments whose full pages stand for their block's
     if group == 1:
-        single, lead = meta.tile_single[meta.seg_tile], torch.ones_like(meta.span_valid[rows])
+        single = meta.tile_single[meta.seg_tile]
     else:  # one request per block, its full range where every segment's is full (a segment without keys: none)
         valid = meta.span_valid[rows]
 
@@ -239,7 +240,8 @@ def tile_page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.
 
     partial, kv_num = per_tile(n_left + (hi - fhi), lambda s, k: torch.where(k < n_left[s], lo[s] + k,
                                                                              fhi[s] + k - n_left[s]))
-    full, full_num = per_tile(torch.where(lead, fhi - flo, 0), lambda s, k: flo[s] + k)
+    full_counts = fhi - flo if lead is None else torch.where(lead, fhi - flo, 0)
+    full, full_num = per_tile(full_counts, lambda s, k: flo[s] + k)
     # A shared page appears once per segment that reads it: sort, drop repeats, and sort them to the end.
     partial = partial.sort(dim=1).values
     repeat = torch.zeros_like(partial, dtype=torch.bool)

@@ -29,6 +29,7 @@ from ..attention.layout import (Q_TILE, choose_decode_splits, segment_capacity, 
 from ..attention.staging import to_device
 from ..compile import bucket, decode_buckets, fused_elementwise, tile_bucket, wide_q_tiles
 from ..compile.mixed_graphs import MAX_GRAPH_TILES, MixedKey, graph_workspace_pages
+from ..compile.warmup import max_prefill_tiles
 from ..config import EngineConfig, resolve_device
 from ..layers import gemv as one_row_gemv
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
@@ -123,8 +124,8 @@ class ModelRunner:
         self.workspace_tokens = None
         # The largest prefill bucket: its steps over long contexts may take wide q blocks (compile.wide_q_tiles),
         # unless a mixed CUDA graph (keyed without them) serves it
-        top = -(-config.max_num_batched_tokens // Q_TILE)
-        self.max_prefill_tiles = tile_bucket(top) if tile_bucket(top) > MAX_GRAPH_TILES else 0
+        top = max_prefill_tiles(config.max_num_batched_tokens)
+        self.max_prefill_tiles = top if top > MAX_GRAPH_TILES else 0
         if self.static_shapes:
             pages = -(-workspace_tokens_wanted(config, self.hf_config) // self.block_size)
             self.backend.reserve_workspace(pages, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,

@@ -121,18 +121,16 @@ def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: boo
     return mask
 
 
-ROWS_ALIGN = 384  # rows of the prefill mods' tables: a multiple of every q tile the kernels take (128, 192)
-
-
 def _prefill_rows(meta: AttentionMetadata):
     """Each prefill row's request, position and workspace start, as int32: the index arithmetic of the
     mods then stays in 32 bits, as FlashAttention-4's CuTe code generator requires (it refused int64).
     Made once per step, for every mask and score mod."""
     if "prefill_rows" not in meta.backend_state:
-        # dead rows up to a whole number of ROWS_ALIGN: FA4's 192-row tiles evaluate the mods on rows past the
-        # call's last (an out-of-bounds read of these tables, and an illegal address in the engine, without them)
-        # (the last row's request and position, which the mods may read: a dead row's are a live token's)
-        pad = -len(meta.prefill_req) % ROWS_ALIGN
+        # dead rows up to a whole q block: a kernel tile divides the block, and FA4's 192-row tiles in a wide step's
+        # 384-row blocks evaluate the mods on rows past the call's last (an out-of-bounds read of these tables, and
+        # an illegal address in the engine, without them); they take the last row's request and position, which
+        # the mods may read (a dead row's are a live token's)
+        pad = -len(meta.prefill_req) % (meta.layout.q_tiles * Q_TILE)
         more = lambda t: torch.cat([t, t[-1:].expand(pad)]).int() if pad else t.int()  # noqa: E731
         meta.backend_state["prefill_rows"] = (more(meta.prefill_req), more(meta.prefill_pos),
                                               F.pad(meta.prefill_kv0.int(), (0, pad), value=DEAD_KV0))
