@@ -5,17 +5,60 @@
 Prints the time from `LLM(...)` to a built engine; the engine's own log splits it (load, KV sizing, warm-up, decode
 graphs per bucket, graphs for steps with prompts), then dynamo's compile seconds by phase. `--cache-dir DIR` keeps
 the caches in DIR instead (run twice: a first start on a fresh box, then a second start on the same box).
+`--sample-stacks` samples the main thread's stack every 20 ms during the build and prints where the wall time went
+(each function's inclusive share, and a coarse split: dynamo tracing, Inductor, Triton, FA4's CuTe JIT, CUDA).
 Issue 24's bar: at most 60 s at the default max_model_len on the H100.
 """
 import argparse
 import os
+import collections
 import sys
 import tempfile
+import threading
+
+# coarse buckets for --sample-stacks, first match from the innermost frame out
+STAGES = (("fa4 cute jit", ("cutlass", "flash_attn/cute")), ("triton compile", ("triton/compiler", "triton/backends")),
+          ("inductor", ("torch/_inductor",)), ("dynamo trace", ("torch/_dynamo", "torch/fx", "torch/_subclasses")),
+          ("aot autograd", ("torch/_functorch",)), ("cuda graphs", ("torch/cuda/graphs",)))
+
+
+class StackSampler(threading.Thread):
+    """Every `period` s, the main thread's stack: counts per function (inclusive, each once a sample) and per
+    coarse stage (the innermost frame's package that STAGES names)."""
+
+    def __init__(self, period: float = 0.02):
+        super().__init__(daemon=True)
+        self.period, self.main, self.stop = period, threading.main_thread().ident, threading.Event()
+        self.functions, self.stages, self.samples = collections.Counter(), collections.Counter(), 0
+
+    def run(self) -> None:
+        while not self.stop.wait(self.period):
+            frame = sys._current_frames().get(self.main)
+            names, stage = set(), None
+            while frame is not None:
+                code = frame.f_code
+                path = code.co_filename.replace("\\", "/")
+                if stage is None:
+                    stage = next((s for s, keys in STAGES if any(k in path for k in keys)), None)
+                names.add(f"{path.rsplit('site-packages/', 1)[-1]}:{code.co_name}")
+                frame = frame.f_back
+            self.samples += 1
+            self.functions.update(names)
+            self.stages[stage or "other"] += 1
+
+    def report(self, top: int = 60) -> str:
+        n = max(self.samples, 1)
+        lines = [f"{self.samples} samples of {self.period * 1e3:.0f} ms; by stage (innermost frame):"]
+        lines += [f"  {s:16s} {c * self.period:7.1f} s  {c / n:6.1%}" for s, c in self.stages.most_common()]
+        lines.append(f"functions by inclusive share (top {top}):")
+        lines += [f"  {c * self.period:7.1f} s {c / n:6.1%}  {f}" for f, c in self.functions.most_common(top)]
+        return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache-dir", help="Inductor's and Triton's caches here (default: a fresh, empty folder)")
+    p.add_argument("--sample-stacks", action="store_true", help="print where the build's wall time went")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
@@ -27,7 +70,13 @@ def main() -> None:
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)
+    sampler = StackSampler() if known.sample_stacks else None
+    if sampler:
+        sampler.start()
     llm, built = build_llm(args)
+    if sampler:
+        sampler.stop.set()
+        sampler.join()
     caches = f"caches in {root}, {'warm' if warm else 'empty'} at start"
     env = {k: v for k, v in os.environ.items() if k.startswith("FLEXENGINE_")}
     print(f"LLM built in {built:.1f} s ({caches}; max_model_len {llm.llm_engine.max_model_len}; env {env})",
@@ -37,6 +86,8 @@ def main() -> None:
     print(dynamo_utils.compile_times(repr="str", aggregate=True), flush=True)
     print("dynamo counters:", {k: dict(v) for k, v in dynamo_utils.counters.items() if k in ("stats", "frames")},
           flush=True)
+    if sampler:
+        print(sampler.report(), flush=True)
     sys.exit(0)
 
 
