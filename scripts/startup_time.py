@@ -15,11 +15,37 @@ import collections
 import sys
 import tempfile
 import threading
+import time
 
 # coarse buckets for --sample-stacks, first match from the innermost frame out
 STAGES = (("fa4 cute jit", ("cutlass", "flash_attn/cute")), ("triton compile", ("triton/compiler", "triton/backends")),
           ("inductor", ("torch/_inductor",)), ("dynamo trace", ("torch/_dynamo", "torch/fx", "torch/_subclasses")),
           ("aot autograd", ("torch/_functorch",)), ("cuda graphs", ("torch/cuda/graphs",)))
+# start-up's phases: the outermost of these functions on the stack names a sample's phase
+PHASES = ("measure_num_blocks", "warm_up_steps", "capture_decode_graphs", "capture_mixed_graphs")
+
+
+COMPILES = collections.defaultdict(list)  # what -> seconds of each call
+
+
+def time_compiles() -> None:
+    """Time each call of CuTe's compile (FA4's kernels) and of Triton's in this process (not Inductor's workers')."""
+    def timed(what, fn):
+        def run(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                COMPILES[what].append(time.perf_counter() - started)
+        return run
+    try:
+        import cutlass.cute as cute
+        cute.compile = timed("cute.compile", cute.compile)
+    except ImportError:
+        pass
+    import triton
+    import triton.compiler.compiler as triton_compiler
+    triton_compiler.compile = triton.compile = timed("triton.compile (main process)", triton_compiler.compile)
 
 
 class StackSampler(threading.Thread):
@@ -30,26 +56,36 @@ class StackSampler(threading.Thread):
         super().__init__(daemon=True)
         self.period, self.main, self.stop = period, threading.main_thread().ident, threading.Event()
         self.functions, self.stages, self.samples = collections.Counter(), collections.Counter(), 0
+        self.by_phase = collections.Counter()  # (phase, stage) -> samples
 
     def run(self) -> None:
         while not self.stop.wait(self.period):
             frame = sys._current_frames().get(self.main)
-            names, stage = set(), None
+            names, stage, phase = set(), None, "other"
             while frame is not None:
                 code = frame.f_code
                 path = code.co_filename.replace("\\", "/")
                 if stage is None:
                     stage = next((s for s, keys in STAGES if any(k in path for k in keys)), None)
+                if code.co_name in PHASES:
+                    phase = code.co_name
                 names.add(f"{path.rsplit('site-packages/', 1)[-1]}:{code.co_name}")
                 frame = frame.f_back
             self.samples += 1
             self.functions.update(names)
             self.stages[stage or "other"] += 1
+            self.by_phase[phase, stage or "other"] += 1
 
     def report(self, top: int = 60) -> str:
         n = max(self.samples, 1)
         lines = [f"{self.samples} samples of {self.period * 1e3:.0f} ms; by stage (innermost frame):"]
         lines += [f"  {s:16s} {c * self.period:7.1f} s  {c / n:6.1%}" for s, c in self.stages.most_common()]
+        lines.append("by phase and stage:")
+        for phase in (*PHASES, "other"):
+            cells = sorted(((c, st) for (ph, st), c in self.by_phase.items() if ph == phase), reverse=True)
+            total = sum(c for c, _ in cells)
+            lines.append(f"  {phase:22s} {total * self.period:6.1f} s: "
+                         + ", ".join(f"{st} {c * self.period:.1f}" for c, st in cells))
         lines.append(f"functions by inclusive share (top {top}):")
         lines += [f"  {c * self.period:7.1f} s {c / n:6.1%}  {f}" for f, c in self.functions.most_common(top)]
         return "\n".join(lines)
@@ -72,6 +108,7 @@ def main() -> None:
     args = q.parse_args(rest)
     sampler = StackSampler() if known.sample_stacks else None
     if sampler:
+        time_compiles()
         sampler.start()
     llm, built = build_llm(args)
     if sampler:
@@ -87,6 +124,8 @@ def main() -> None:
     print("dynamo counters:", {k: dict(v) for k, v in dynamo_utils.counters.items() if k in ("stats", "frames")},
           flush=True)
     if sampler:
+        for what, seconds in COMPILES.items():
+            print(f"{what}: {len(seconds)} calls, {sum(seconds):.1f} s (longest {max(seconds):.1f} s)", flush=True)
         print(sampler.report(), flush=True)
     sys.exit(0)
 
