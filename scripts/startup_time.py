@@ -26,6 +26,7 @@ PHASES = ("measure_num_blocks", "warm_up_steps", "capture_decode_graphs", "captu
 
 
 COMPILES = collections.defaultdict(list)  # what -> seconds of each call
+FA4_KEYS = []  # the compile key of each FA4 kernel compiled (flash_attn.cute.interface's local `compile_key`)
 
 
 def time_compiles() -> None:
@@ -33,6 +34,9 @@ def time_compiles() -> None:
     def timed(what, fn):
         def run(*args, **kwargs):
             started = time.perf_counter()
+            caller = sys._getframe(1)
+            if "compile_key" in caller.f_locals:
+                FA4_KEYS.append((caller.f_code.co_name, caller.f_locals["compile_key"]))
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -126,6 +130,10 @@ def main() -> None:
     if sampler:
         for what, seconds in COMPILES.items():
             print(f"{what}: {len(seconds)} calls, {sum(seconds):.1f} s (longest {max(seconds):.1f} s)", flush=True)
+        for i, (fn, key) in enumerate(FA4_KEYS):  # the first in full, the others where they differ from it
+            first = FA4_KEYS[0][1]
+            shown = key if i == 0 else {j: v for j, v in enumerate(key) if j >= len(first) or v != first[j]}
+            print(f"FA4 compile {i} ({fn}): {shown}", flush=True)
         print(sampler.report(), flush=True)
     sys.exit(0)
 

@@ -144,6 +144,28 @@ def test_compiled_flex_reads_128_token_pages_in_place():
     torch.testing.assert_close(out.double(), ref, atol=3e-4, rtol=3e-4)
 
 
+def test_memory_stand_in_compiles_nothing():
+    """The KV sizing's profiling step (kv_sizing.profile_kv_budget) runs flex's calls as memory stand-ins: no
+    compile for the scratch cache's shape, an output of the kernel's shape; the real kernel again afterwards."""
+    from flexengine.attention.backends import flex as flex_backend
+    from flexengine.attention.layout import plan_layout
+    from flexengine.attention.metadata import build_metadata
+    from flexengine.compile.policy import compile_count
+    P, seq_lens, query_lens = 128, [300, 140], [20, 140]
+    q, kc, vc, tables = make_paged_batch(random.Random(5), seq_lens, query_lens, P, 4, 2, 16)
+    backend = flex_backend.FlexBackend(compile=True)
+    meta = build_metadata(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+                          torch.empty(0, dtype=torch.long), plan_layout(query_lens, seq_lens, block_size=P), P,
+                          kc.shape[0])
+    meta.backend = backend
+    before = compile_count()
+    with backend.memory_stand_in():
+        out = backend.forward(q, kc, vc, meta, masks.causal, None, 0.25)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert compile_count() == before
+    assert backend.flex_fn() is not flex_backend.flex_memory_stand_in
+
+
 def test_per_request_parameter():
     rng = random.Random(3)
     seq_lens, query_lens = [30, 30], [30, 1]

@@ -7,6 +7,7 @@ into dense masks over the step's own pages, and each layer runs SDPA (`forward_d
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -244,6 +245,16 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False, fullgraph=True, options=pdl_options())
 
 
+def flex_memory_stand_in(query, key, value, *args, **kwargs) -> torch.Tensor:
+    """flex_attention's output, uninitialised, after the log-sum-exp its kernels allocate beside it (for memory
+    profiling only)."""
+    B, H, L, _ = query.shape
+    lse = torch.empty(B, H, L, dtype=torch.float32, device=query.device)
+    out = query.new_empty(B, H, L, value.shape[-1])
+    del lse  # (held while out was made, as the kernel's call holds both)
+    return out
+
+
 # Tile options for flex's decode template, on top of its own; None: `default_decode_options`
 # (scripts/decode_step_probe.py sets others).
 DECODE_OPTIONS: dict | None = None
@@ -289,6 +300,7 @@ class FlexBackend:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self.prefill_kernel = PrefillKernel()  # FA4 or Triton for the compiled prefill call
         self.q_tiles = 1  # prefill tiles per q block of long steps' in-place prefill call (reserve_workspace chooses)
+        self.stand_in = False  # flex calls only allocate their outputs (memory_stand_in)
 
     def reserve_workspace(self, pages: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> None:
         """Allocate the engine's prefill workspace (K and V, shared by every layer: they run one after
@@ -325,9 +337,23 @@ class FlexBackend:
 
     def flex_fn(self):
         """The compiled kernel (the eager path, forward_dense, runs no flex call at all)."""
+        if self.stand_in:
+            return flex_memory_stand_in
         if torch.compiler.is_compiling():  # inside a compiled model: dynamo traces the flex op itself
             return flex_attention
         return _compiled_flex()
+
+    @contextlib.contextmanager
+    def memory_stand_in(self):
+        """Inside, compiled flex calls allocate what the kernel's call does and compute nothing: for the KV
+        sizing's profiling step. That step runs on a scratch cache, flex compiles once per shape, and the real
+        cache's shape differs, so its compile was thrown away: FA4's CuTe JIT alone took 16 s of a 150 s fresh
+        start on the H100 (session 31), for a kernel no step ever ran again."""
+        self.stand_in = True
+        try:
+            yield
+        finally:
+            self.stand_in = False
 
     def compact(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The eager path scores every slot of the pool it is given, so hand it only the step's pages.
