@@ -222,6 +222,23 @@ def test_fa4_keeps_its_compiled_kernels_on_disk_unless_the_user_said_no(provider
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
 
 
+def test_compile_caches_default_to_flexengines_cache_folder_unless_set(monkeypatch, tmp_path):
+    """A GPU engine keeps Inductor's and FA4's compiled kernels under cache_dir() (their own defaults are in the
+    temp folder, emptied by a reboot), and leaves folders the user named."""
+    from flexengine.config import compile_cache_defaults
+    monkeypatch.setenv("FLEXENGINE_CACHE_DIR", str(tmp_path))
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"):
+        monkeypatch.delenv(name, raising=False)
+    compile_cache_defaults()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "fa4")
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/mine/fa4")
+    compile_cache_defaults()
+    assert (os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"]) == ("/mine", "/mine/fa4")
+
+
 def test_dtype_other_than_half_is_refused(providers):
     providers("FA4")
     with pytest.raises(ValueError, match="float32"):

@@ -30,7 +30,7 @@ from ..attention.staging import to_device
 from ..compile import bucket, decode_buckets, fused_elementwise, tile_bucket, wide_q_tiles
 from ..compile.mixed_graphs import MAX_GRAPH_TILES, MixedKey, graph_workspace_pages
 from ..compile.warmup import max_prefill_tiles
-from ..config import EngineConfig, resolve_device
+from ..config import EngineConfig, compile_cache_defaults, resolve_device
 from ..layers import gemv as one_row_gemv
 from ..layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_blocks, text_config, wanted_max_model_len,
@@ -87,6 +87,8 @@ class ModelRunner:
         # Tensor parallelism (parallel/): checks, spawns the workers, joins their group; at TP=1 nothing.
         self.tp, self.workers = start_tensor_parallel(config, self.model_path)
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            compile_cache_defaults()  # before anything compiles: a reboot must not empty the caches
         began = started = time.perf_counter()
         with building_for(self.tp):  # this rank's shard of every layer, read from its slices of the checkpoint
             self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
