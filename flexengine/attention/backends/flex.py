@@ -247,10 +247,14 @@ def _compiled_flex():
 
 def flex_memory_stand_in(query, key, value, *args, **kwargs) -> torch.Tensor:
     """flex_attention's output, uninitialised, after the log-sum-exp its kernels allocate beside it (for memory
-    profiling only)."""
+    profiling only). In the query's stride order, as Inductor lays flex's output out (infer_dense_strides): the
+    layers after it compile for the strides they will see (a contiguous stand-in cost one more graph of the
+    region after attention, session 31)."""
     B, H, L, _ = query.shape
     lse = torch.empty(B, H, L, dtype=torch.float32, device=query.device)
-    out = query.new_empty(B, H, L, value.shape[-1])
+    outer_first = sorted(range(4), key=lambda d: -query.stride(d))  # (stable: ties keep their order)
+    shape = (B, H, L, value.shape[-1])
+    out = query.new_empty([shape[d] for d in outer_first]).permute([outer_first.index(d) for d in range(4)])
     del lse  # (held while out was made, as the kernel's call holds both)
     return out
 
