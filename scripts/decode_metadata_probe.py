@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flexengine import LLM
-from flexengine.attention.backends.flex import param_values
+from flexengine.attention.backends.paged_mods import param_values
 from flexengine.attention.metadata import page_lists
 from flexengine.compile.cuda_graphs import refresh_decode_positions
 from flexengine.masks import MASK_ARGS

@@ -256,7 +256,7 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
     equal the eager ones for every built-in mask, over buckets of 1-32 rows with 1-32 splits each, and one
     dynamic graph serves them (a recompile per bucket would cost start-up and could reach dynamo's limit)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cached graph brings its old guards
-    from flexengine.attention.backends.flex import decode_lists
+    from flexengine.attention.backends.paged_mods import decode_lists
     from flexengine.compile import compile_count, compiled_on_first_use
     from flexengine.compile.cuda_graphs import refresh_decode_positions
     torch._dynamo.reset()

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flexengine import masks
-from flexengine.attention.backends.flex import paged_mask
+from flexengine.attention.backends.paged_mods import paged_mask
 from flexengine.attention.layout import DEAD_KV0, KV_TILE, Q_TILE, plan_layout
 from flexengine.attention.metadata import build_metadata, tile_page_lists
 from test_metadata import CASE_LIST, CASES

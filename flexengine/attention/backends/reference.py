@@ -5,7 +5,7 @@ import torch
 
 from ...masks import MASK_ARGS, SCORE_ARGS
 from ..metadata import AttentionMetadata
-from .flex import param_values
+from .paged_mods import param_values
 
 
 class ReferenceBackend:

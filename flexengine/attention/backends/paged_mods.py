@@ -1,0 +1,219 @@
+"""The user's logical mods on the paged pool, and the BlockMasks of a step.
+
+A mod is written over logical coordinates (request, head, query position, key position); flex runs it over
+physical ones (a row of the step's token buffer or decode rows, a slot of the pool or the workspace). `paged_mask`
+and `paged_score` translate back, evaluating the user's mod only where the position is live; `build_block_masks`
+lists each q block's pages (metadata.py) as one BlockMask for the decode rows and one for the prefill tiles.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
+
+from ...compile import compiled_on_first_use
+from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
+from ..metadata import AttentionMetadata, page_lists, tile_page_lists, workspace_lists
+from ..layout import DEAD_KV0, KV_TILE, Q_TILE
+
+
+def param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
+    values = []
+    for name in request_params(fn, base_args):
+        if name not in meta.params:
+            raise ValueError(f"{mod_name(fn)} reads the per-request parameter {name!r}, which the step's "
+                             f"requests did not supply (attention_params={{{name!r}: ...}})")
+        values.append(meta.params[name])
+    return values
+
+
+def _live_coords(meta: AttentionMetadata, decode: bool, req, q_pos, lkv):
+    """The request and positions the user's mod sees (docs/attention.md): a request with tokens, positions
+    in [0, seq_len). Flex also evaluates the mod on slots that are not tokens of the request (other
+    requests' pages or workspace blocks, the tail of its last page, padding); the caller masks those
+    afterwards, but a mod indexing a captured tensor must never see them (an out-of-bounds read in a
+    compiled kernel). Prefill rows arrive valid (plan_layout gives dead rows a real request and
+    position), so they pay two clamps per element; a padded decode row of a CUDA graph (length 0)
+    reads as request 0."""
+    if decode:
+        req = torch.where(meta.seq_lens[req] > 0, req, 0)
+        last = (meta.seq_lens[req] - 1).clamp(min=0)  # 0 only while a graph is captured over empty buffers
+        return req, last, torch.minimum(lkv, last)
+    last = meta.seq_lens[req] - 1
+    lkv = torch.where(lkv < last, lkv, last)  # where, not min/max: FA4's CuTe code generator expresses it
+    return req, q_pos, torch.where(lkv > 0, lkv, 0)
+
+
+def _logical_kv(meta: AttentionMetadata, req, kv_idx, listed_only: bool):
+    """Physical pool index → (logical kv position, whether it is a live token of request `req`).
+
+    A kernel that visits only the listed pages (compiled flex on CUDA) sees pages of `req` alone, since
+    the lists come from its block table. Elsewhere (eager flex scores the whole compacted pool) ownership
+    is checked too: a [q, kv] gather from the block tables, which in the Triton kernel's partial tiles
+    cost more than the attention itself (docs/benchmarks.md, session 7).
+    """
+    P = meta.block_size
+    page = kv_idx // P
+    lp = meta.phys_to_logical[page]
+    lkv = lp * P + kv_idx % P
+    live = lkv < meta.seq_lens[req]
+    if not listed_only:
+        live = live & (meta.block_tables[req, lp] == page)
+    return lkv, live
+
+
+def _query(meta: AttentionMetadata, decode: bool, b, q_idx):
+    """The request and logical query position of a flex (batch row, query row); a decode row's position
+    is its request's last, which _live_coords sets once it has made the request a live one."""
+    if decode:
+        return meta.decode_req[b], None
+    return meta.prefill_req[q_idx], meta.prefill_pos[q_idx]
+
+
+def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: bool = False, workspace: bool = False,
+               direct: bool = False):
+    """The user's logical mask on the pool's physical coordinates (or, for prefill rows with
+    `workspace`, the workspace's); `listed_only`: the kernel visits only the blocks in the BlockMask's
+    lists (compiled flex on CUDA); `direct`: prefill rows of the compiled kernel reading the pool's pages in
+    place (tile_page_lists), int32 throughout."""
+    values = param_values(meta, mask_mod, MASK_ARGS)
+    assert not (decode and (workspace or direct))
+
+    rows = _prefill_rows(meta) if workspace or direct else None
+    P, width = meta.block_size, meta.block_tables.shape[1]
+    tables = meta.block_tables.reshape(-1) if direct else None  # (flat: one index, as FA4's code generator takes)
+    limit = _prefill_limits(meta) if direct else None
+
+    def mask(b, h, q_idx, kv_idx):
+        if workspace:  # a block of another request, or any block for a dead row (kv0 = DEAD_KV0): lkv out of range
+            req, q_pos, kv0 = rows[0][q_idx], rows[1][q_idx], rows[2][q_idx]
+            lkv = kv_idx - kv0
+            live = (lkv >= 0) & (lkv < meta.seq_lens[req])
+        elif direct:  # a tile of several requests lists the pages of each: the row's request must own the page
+            req, q_pos, row_limit = rows[0][q_idx], rows[1][q_idx], limit[q_idx]
+            page = kv_idx // P
+            lp = meta.phys_to_logical[page]
+            lkv = lp * P + kv_idx % P
+            live = (lkv < row_limit) & (tables[req * width + lp] == page)
+            last = row_limit - 1  # (_live_coords' clamp from the row's own limit: one gather fewer per element)
+            lkv = torch.where(lkv < last, lkv, last)
+            return live & mask_mod(req, h, q_pos, torch.where(lkv > 0, lkv, 0), *values)
+        else:
+            req, q_pos = _query(meta, decode, b, q_idx)
+            lkv, live = _logical_kv(meta, req, kv_idx, listed_only)
+            if not decode:  # decode tokens and padding are dead rows of the prefill call
+                live = live & (meta.prefill_kv0[q_idx] < DEAD_KV0)
+        req, q_pos, lkv = _live_coords(meta, decode, req, q_pos, lkv)
+        return live & mask_mod(req, h, q_pos, lkv, *values)
+    return mask
+
+
+def _prefill_rows(meta: AttentionMetadata):
+    """Each prefill row's request, position and workspace start, as int32: the index arithmetic of the
+    mods then stays in 32 bits, as FlashAttention-4's CuTe code generator requires (it refused int64).
+    Made once per step, for every mask and score mod."""
+    if "prefill_rows" not in meta.backend_state:
+        # dead rows up to a whole q block: a kernel tile divides the block, and FA4's 192-row tiles in a wide step's
+        # 384-row blocks evaluate the mods on rows past the call's last (an out-of-bounds read of these tables, and
+        # an illegal address in the engine, without them); they take the last row's request and position, which
+        # the mods may read (a dead row's are a live token's)
+        pad = -len(meta.prefill_req) % (meta.layout.q_tiles * Q_TILE)
+        more = lambda t: torch.cat([t, t[-1:].expand(pad)]).int() if pad else t.int()  # noqa: E731
+        meta.backend_state["prefill_rows"] = (more(meta.prefill_req), more(meta.prefill_pos),
+                                              F.pad(meta.prefill_kv0.int(), (0, pad), value=DEAD_KV0))
+    return meta.backend_state["prefill_rows"]
+
+
+def _prefill_limits(meta: AttentionMetadata) -> torch.Tensor:
+    """Per prefill row, int32: its request's length, or 0 for a dead row (no key is live for it). The direct mask's
+    one gather for both (the workspace's kv0 test and the length), made once per step."""
+    if "prefill_limits" not in meta.backend_state:
+        req, _, kv0 = _prefill_rows(meta)
+        meta.backend_state["prefill_limits"] = torch.where(kv0 < DEAD_KV0, meta.seq_lens.int()[req], 0)
+    return meta.backend_state["prefill_limits"]
+
+
+def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: bool = False, direct: bool = False):
+    if score_mod is None:
+        return None
+    values = param_values(meta, score_mod, SCORE_ARGS)
+    P = meta.block_size
+
+    rows = _prefill_rows(meta) if workspace or direct else None
+
+    def score(s, b, h, q_idx, kv_idx):
+        if workspace:
+            req, q_pos, lkv = rows[0][q_idx], rows[1][q_idx], kv_idx - rows[2][q_idx]
+        else:  # the pool's coordinates (direct: the prefill rows as int32)
+            req, q_pos = (rows[0][q_idx], rows[1][q_idx]) if direct else _query(meta, decode, b, q_idx)
+            lkv = meta.phys_to_logical[kv_idx // P] * P + kv_idx % P
+        req, q_pos, lkv = _live_coords(meta, decode, req, q_pos, lkv)
+        return score_mod(s, req, h, q_pos, lkv, *values)
+    return score
+
+
+def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[N, M] page lists → a dense [N, num_blocks] table (zeros past column M).
+
+    Flex requires the BlockMask to span the whole KV length (the pool), though a row is only read up
+    to its count (<= M). An overlapping strided view would keep this O(batch): compiled flex on the
+    H100 read every row but the first wrongly from one (docs/benchmarks.md), so the table is dense.
+    """
+    N, M = idx_NM.shape
+    out = idx_NM.new_zeros(N, num_blocks)
+    out[:, : min(M, num_blocks)] = idx_NM[:, :num_blocks]
+    return out
+
+
+def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, workspace_pages: int,
+                      direct: bool = False, q_tiles: int = 1):
+    """(decode BlockMask or None, prefill BlockMask or None) for one logical mask. Decode rows read
+    the pool's pages; prefill tiles read KV_TILE blocks of a workspace of `workspace_pages` pages, or with
+    `direct` (pages of KV_TILE tokens) the pool's pages in place, at most `workspace_pages` a q block of
+    `q_tiles` tiles."""
+    lay, P = meta.layout, meta.block_size
+    values = param_values(meta, mask_mod, MASK_ARGS)
+    Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
+    dec = pre = None
+    if Bd:
+        M = meta.num_blocks
+        lists = _compiled_decode_lists() if listed_only else decode_lists  # (listed_only: compiled, on CUDA)
+        kv_num, kv_idx, full_num, full_idx = lists(meta, mask_mod, values, M)
+        # no full lists where the kernel splits (page_lists made every page partial): with any, flex's decode
+        # template splits by the pool's length, not the row's list
+        full = (None, None) if lay.kernel_splits > 1 else (full_num.view(Bd, 1, 1), full_idx.view(Bd, 1, 1, M))
+        dec = BlockMask.from_kv_blocks(
+            kv_num.view(Bd, 1, 1), kv_idx.view(Bd, 1, 1, M), *full,
+            BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, True, listed_only),
+            seq_lengths=(1, M * P), compute_q_blocks=False)
+    if Tp and direct:
+        M = meta.num_blocks
+        kv_num, kv_idx, full_num, full_idx = tile_page_lists(meta, mask_mod, values, workspace_pages, q_tiles)
+        Tb = kv_num.shape[0]  # q blocks: the last may hold fewer than q_tiles tiles
+        pre = BlockMask.from_kv_blocks(
+            kv_num.view(1, 1, Tb), _pool_wide(kv_idx, M).view(1, 1, Tb, M), full_num.view(1, 1, Tb),
+            _pool_wide(full_idx, M).view(1, 1, Tb, M), BLOCK_SIZE=(q_tiles * Q_TILE, P),
+            mask_mod=paged_mask(meta, mask_mod, False, direct=True), seq_lengths=(Tp * Q_TILE, M * P),
+            compute_q_blocks=False)
+    elif Tp:
+        kv_len = workspace_pages * P
+        assert kv_len % KV_TILE == 0, (workspace_pages, P)
+        M = kv_len // KV_TILE
+        kv_num, kv_idx, full_num, full_idx = workspace_lists(meta, mask_mod, values, M)
+        pre = BlockMask.from_kv_blocks(
+            kv_num.view(1, 1, Tp), kv_idx.view(1, 1, Tp, M), full_num.view(1, 1, Tp), full_idx.view(1, 1, Tp, M),
+            BLOCK_SIZE=(Q_TILE, KV_TILE), mask_mod=paged_mask(meta, mask_mod, False, listed_only, workspace=True),
+            seq_lengths=(Tp * Q_TILE, kv_len), compute_q_blocks=False)
+    return dec, pre
+
+
+def decode_lists(meta: AttentionMetadata, mask_mod, values: list[torch.Tensor], num_blocks: int):
+    """The decode BlockMask's four tensors: page_lists, the lists widened to the pool."""
+    kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, values)
+    return kv_num, _pool_wide(kv_idx, num_blocks), full_num, _pool_wide(full_idx, num_blocks)
+
+
+# One Inductor graph for the ~40 small integer ops of the lists, which a decode CUDA graph otherwise replays as as
+# many kernels every step (at batch 1 each costs its run plus ~1 µs of launch gap: docs/benchmarks.md, session 18).
+# Dynamic shapes: the buckets share it.
+_compiled_decode_lists = compiled_on_first_use(decode_lists)
