@@ -169,8 +169,9 @@ for stage in ${*:-tests attention compare latency}; do
            step step_host_sampling 300 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 \
              scripts/step_host_time.py --model "$MODEL_DIR" --output-len 64 --workload plain,json,penalties; } ;;
     startup) model && for run in first second; do  # issue 24: LLM(path) at the default max_model_len, twice on one box
-             step "startup_$run" 200 python3 scripts/startup_time.py --cache-dir /tmp/startup_caches --model "$MODEL_DIR" \
-               --dtype bfloat16 ${ENGINE_ARGS:-}; done ;;  # the first run fills the (empty) caches, the second reads them
+             step "startup_$run" 250 python3 scripts/startup_time.py --cache-dir /tmp/startup_caches --model "$MODEL_DIR" \
+               --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-}; done ;;  # the first run fills the (empty) caches,
+           # the second reads them; each prints where its time went (phases, CuTe's and Triton's compiles, FA4's keys)
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) step softcap_probe 200 python3 scripts/softcap_probe.py ;;  # what a softcap score mod costs in FA4
