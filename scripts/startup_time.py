@@ -10,8 +10,8 @@ the caches in DIR instead (run twice: a first start on a fresh box, then a secon
 Issue 24's bar: at most 60 s at the default max_model_len on the H100.
 """
 import argparse
-import os
 import collections
+import os
 import sys
 import tempfile
 import threading

@@ -227,7 +227,8 @@ def test_compile_caches_default_to_flexengines_cache_folder_unless_set(monkeypat
     temp folder, emptied by a reboot), and leaves folders the user named."""
     from flexengine.config import compile_cache_defaults
     monkeypatch.setenv("FLEXENGINE_CACHE_DIR", str(tmp_path))
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"):
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
+                 "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"):
         monkeypatch.delenv(name, raising=False)
     compile_cache_defaults()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
