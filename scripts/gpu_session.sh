@@ -17,7 +17,7 @@
 # the commit archived in .base.tgz, `git archive REV | gzip > .base.tgz`, carried (run's carry: [".base.tgz"]), on
 # the same box; then this tree again),
 # host_sampling (the same for issue 20's JSON and
-# penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py), fa4_tiles (scripts/fa4_tile_probe.py, after fa4: FA4's 128- against 192-row q tiles at head size 64; TILE_ARGS), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
+# penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py at 128-token pages for each of TANH_FORMS, default "fastmath approx", with each kernel's PTX kept), fa4_tiles (scripts/fa4_tile_probe.py, after fa4: FA4's 128- against 192-row q tiles at head size 64; TILE_ARGS), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
 # latency at batch 8 and 32), gemv_rows (gemv_probe.py: the few-rows kernel against cuBLAS at 8 and 32 rows),
@@ -174,7 +174,13 @@ for stage in ${*:-tests attention compare latency}; do
            # the second reads them; each prints where its time went (phases, CuTe's and Triton's compiles, FA4's keys)
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
-    softcap) step softcap_probe 200 python3 scripts/softcap_probe.py ;;  # what a softcap score mod costs in FA4
+    softcap) for form in ${TANH_FORMS:-fastmath approx}; do  # what a softcap score mod costs in FA4, per tanh lowering
+               CUTE_DSL_KEEP=ptx CUTE_DSL_DUMP_DIR="$OUT/ptx_$form" step "softcap_$form" 200 \
+                 python3 scripts/softcap_probe.py --page 128 --tanh "$form"
+               # the score mod's special-function ops in each kernel's PTX
+               grep -c -E "tanh\.approx|ex2\.approx|rcp\.approx|div\.(rn|full)" "$OUT/ptx_$form"/*.ptx 2>/dev/null | tail -8
+               grep -h -o -E "(tanh|ex2|rcp)\.approx[.a-z0-9]*|div\.(rn|full)[.a-z0-9]*" "$OUT/ptx_$form"/*.ptx 2>/dev/null \
+                 | sort | uniq -c; done ;;
     fa4_tiles) step fa4_tiles 240 python3 scripts/fa4_tile_probe.py ${TILE_ARGS:-} ;;  # FA4's q tile at D = 64 (after fa4)
     splits) model && step decode_splits_probe 300 python3 scripts/decode_splits_probe.py --model "$MODEL_DIR" ;;
            # issue 16: small-batch decode with the engine's split-KV against one split, by context

@@ -1,15 +1,17 @@
 """What a softcap score mod costs in flex's FA4 prefill, and why (issue 15: window + softcap within 15% of causal).
 
-    python3 scripts/softcap_probe.py [--page 16]
+    python3 scripts/softcap_probe.py [--page 16] [--tanh engine|strict|fastmath|approx] [--rows 8x1024,32x512]
 
 Times the attention benchmark's paged prefill rows (its own `flex_times`, a CUDA graph of the call) with
 sliding_window(1024) and these score mods, in this order:
   none        no score mod
   softcap     masks.softcap(30): cap * tanh(score / cap)
   mul         cap * tanh(score * (1 / cap)): a multiply instead of a division
-With --patch, torch's CuTe lowering of tanh is first switched to cute.math.tanh(fastmath=True) (FA4's own
-softcap uses that; torch emits the strict math.tanh), with Inductor's caches off so nothing compiled before
-is reused. Run it once without and once with --patch.
+--tanh picks how torch's CuTe lowering writes tanh into FA4's score mod: `engine` (what the engine sets,
+prefill_kernel.use_fast_tanh), `strict` (torch's own math.tanh), `fastmath` (cute.math.tanh(fastmath=True), as FA4's
+own softcap), `approx` (cute_math.tanh_approx: PTX tanh.approx.f32 per element). Each lowering writes other code,
+so FA4 compiles its own kernel for it (its compile cache keys on the code). With CUTE_DSL_KEEP=ptx and
+CUTE_DSL_DUMP_DIR=DIR the kernels' PTX lands in DIR.
 """
 from __future__ import annotations
 
@@ -30,30 +32,38 @@ def softcap_mul(cap: float):
     return softcap_mul_score
 
 
-def patch_cute_tanh() -> str:
-    """Switch torch's CuTe DSL lowering of tanh to the fast-math form; returns what it was."""
+TANH_FORMS = {"strict": "cute.math.tanh({x})", "fastmath": "cute.math.tanh({x}, fastmath=True)"}
+
+
+def patch_cute_tanh(form: str) -> str:
+    """Switch torch's CuTe DSL lowering of tanh to `form` (after the engine's own switch, so this one stays); returns
+    the lowering's template."""
     from torch._inductor.codegen.cutedsl.cutedsl_op_overrides import CuteDSLOpOverrides
-    before = inspect.getsource(CuteDSLOpOverrides.tanh)
+
+    from flexengine.attention.backends import prefill_kernel
+    prefill_kernel.use_fast_tanh()
+    if form == "engine":
+        return inspect.getsource(CuteDSLOpOverrides.tanh)
+    template = TANH_FORMS.get(form) or prefill_kernel.TANH_APPROX
 
     def tanh(x0):
-        return CuteDSLOpOverrides._apply_unary_op(x0, "cute.math.tanh({x}, fastmath=True)")
+        return CuteDSLOpOverrides._apply_unary_op(x0, template)
     CuteDSLOpOverrides.tanh = staticmethod(tanh)
-    return before
+    return template
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--page", type=int, default=16)
-    p.add_argument("--patch", action="store_true")
+    p.add_argument("--tanh", default="engine", choices=["engine", "strict", "fastmath", "approx"])
+    p.add_argument("--rows", default="8x1024,32x512", help="prefill cases, requests x length")
     args = p.parse_args()
     dev = torch.device("cuda")
-    if args.patch:
-        torch._inductor.config.fx_graph_cache = False
-        print("# patched torch's CuTe tanh; it was:\n# " + patch_cute_tanh().replace("\n", "\n# "))
+    print(f"# tanh {args.tanh}: " + patch_cute_tanh(args.tanh).replace("\n", "\n# "))
     Hq, Hkv, D = 32, 8, 128
     window = masks.sliding_window(1024)
     variants = [("none", None), ("softcap", masks.softcap(30.0)), ("mul", softcap_mul(30.0))]
-    rows = [(8, 1024), (32, 512)]
+    rows = [tuple(int(v) for v in case.split("x")) for case in args.rows.split(",")]
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} page {args.page}; µs per call (kernel graph)")
     print("| variant | " + " | ".join(f"{n}x{L}" for n, L in rows) + " |")
     print("|---|" + "---|" * len(rows))

@@ -62,6 +62,10 @@ def fa4_unsupported_reason(device: torch.device, dtype: torch.dtype, D: int) -> 
     return fa4_installed()
 
 
+# tanh by PTX's one-instruction approximation, element by element (cute_math.py), in the generated kernel's code
+TANH_APPROX = '__import__("flexengine.attention.backends.cute_math", fromlist=["_"]).tanh_approx({x})'
+
+
 @functools.cache
 def use_fast_tanh() -> bool:
     """Make flex's FA4 code generator emit fast-math tanh (`cute.math.tanh(x, fastmath=True)`, as FA4's
