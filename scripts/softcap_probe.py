@@ -44,6 +44,9 @@ def patch_cute_tanh(form: str) -> str:
     prefill_kernel.use_fast_tanh()
     if form == "engine":
         return inspect.getsource(CuteDSLOpOverrides.tanh)
+    # Inductor's caches key on the graph, not on the lowering: a cached kernel would be the other form's
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     template = TANH_FORMS.get(form) or prefill_kernel.TANH_APPROX
 
     def tanh(x0):
