@@ -7,9 +7,10 @@ sliding_window(1024) and these score mods, in this order:
   none        no score mod
   softcap     masks.softcap(30): cap * tanh(score / cap)
   mul         cap * tanh(score * (1 / cap)): a multiply instead of a division
+  half        score * 0.5: a score mod without tanh
 --tanh picks how torch's CuTe lowering writes tanh into FA4's score mod: `engine` (what the engine sets,
 prefill_kernel.use_fast_tanh), `strict` (torch's own math.tanh), `fastmath` (cute.math.tanh(fastmath=True), as FA4's
-own softcap), `approx` (cute_math.tanh_approx: PTX tanh.approx.f32 per element), `f16x2` (cute_math.tanh_f16x2: two
+own softcap), `approx` (cute_tanh.tanh_approx: PTX tanh.approx.f32 per element), `f16x2` (cute_tanh.tanh_f16x2: two
 elements per tanh.approx.f16x2). Each lowering writes other code,
 so FA4 compiles its own kernel for it (its compile cache keys on the code). With CUTE_DSL_KEEP=ptx and
 CUTE_DSL_DUMP_DIR=DIR the kernels' PTX lands in DIR.
@@ -33,7 +34,13 @@ def softcap_mul(cap: float):
     return softcap_mul_score
 
 
-TANH_FORMS = {"strict": "cute.math.tanh({x})", "fastmath": "cute.math.tanh({x}, fastmath=True)"}
+TANH_FORMS = {"strict": "cute.math.tanh({x})", "fastmath": "cute.math.tanh({x}, fastmath=True)",
+              "approx": '__import__("cute_tanh").tanh_approx({x})', "f16x2": '__import__("cute_tanh").tanh_f16x2({x})'}
+
+
+def half_score(score, b, h, q_idx, kv_idx):
+    """A score mod with no special function: what the score-mod path costs by itself."""
+    return score * 0.5
 
 
 def patch_cute_tanh(form: str) -> str:
@@ -48,7 +55,7 @@ def patch_cute_tanh(form: str) -> str:
     # Inductor's caches key on the graph, not on the lowering: a cached kernel would be the other form's
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    template = TANH_FORMS.get(form) or {"approx": prefill_kernel.TANH_APPROX, "f16x2": prefill_kernel.TANH_F16X2}[form]
+    template = TANH_FORMS[form]
 
     def tanh(x0):
         return CuteDSLOpOverrides._apply_unary_op(x0, template)
@@ -65,7 +72,7 @@ def softcap_error(dev, cap: float = 30.0, L: int = 1024, H: int = 8, D: int = 12
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(1, H, L, D, device=dev, generator=g).mul(2.0).to(torch.bfloat16) for _ in range(3))
     block_mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, 1, 1, L, L, device=dev)
-    flex = torch.compile(flex_attention, fullgraph=True)
+    flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)  # (FA4 takes no symbolic scalar)
     errors = []
     for score in (masks.softcap(cap), None):
         out = flex(q, k, v, score_mod=score, block_mask=block_mask, kernel_options=dict(FLASH_OPTIONS))
@@ -87,7 +94,7 @@ def main() -> None:
     print(f"# tanh {args.tanh}: " + patch_cute_tanh(args.tanh).replace("\n", "\n# "))
     Hq, Hkv, D = 32, 8, 128
     window = masks.sliding_window(1024)
-    variants = [("none", None), ("softcap", masks.softcap(30.0)), ("mul", softcap_mul(30.0))]
+    variants = [("none", None), ("softcap", masks.softcap(30.0)), ("mul", softcap_mul(30.0)), ("half", half_score)]
     rows = [tuple(int(v) for v in case.split("x")) for case in args.rows.split(",")]
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} page {args.page}; µs per call (kernel graph)")
     print("| variant | " + " | ".join(f"{n}x{L}" for n, L in rows) + " |")

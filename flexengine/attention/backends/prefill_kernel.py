@@ -62,12 +62,6 @@ def fa4_unsupported_reason(device: torch.device, dtype: torch.dtype, D: int) -> 
     return fa4_installed()
 
 
-# tanh by PTX's one-instruction approximation, element by element (cute_math.py), in the generated kernel's code
-TANH_APPROX = '__import__("flexengine.attention.backends.cute_math", fromlist=["_"]).tanh_approx({x})'
-# the same, two elements per instruction in half precision (cute_math.tanh_f16x2)
-TANH_F16X2 = '__import__("flexengine.attention.backends.cute_math", fromlist=["_"]).tanh_f16x2({x})'
-
-
 @functools.cache
 def use_fast_tanh() -> bool:
     """Make flex's FA4 code generator emit fast-math tanh (`cute.math.tanh(x, fastmath=True)`, as FA4's

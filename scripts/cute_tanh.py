@@ -1,5 +1,5 @@
-"""Math that flex's FA4 code generator calls by name in the kernels it writes (prefill_kernel.use_fast_tanh).
-Imported only there, where FA4 and its CuTe DSL are installed."""
+"""tanh forms for flex's FA4 code generator, which scripts/softcap_probe.py writes into the kernels by name (the kernel
+imports this module: the probe's folder is on the path). Needs FA4's CuTe DSL."""
 from __future__ import annotations
 
 import cutlass
