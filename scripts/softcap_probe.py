@@ -1,6 +1,7 @@
 """What a softcap score mod costs in flex's FA4 prefill, and why (issue 15: window + softcap within 15% of causal).
 
-    python3 scripts/softcap_probe.py [--page 16] [--tanh engine|strict|fastmath|approx] [--rows 8x1024,32x512]
+    python3 scripts/softcap_probe.py [--page 16] [--tanh engine|strict|fastmath|approx|f16x2] [--rows 8x1024,32x512]
+        [--variants none,softcap,mul,half] [--fa4 mma_pv_is_rs=0,intra_wg_overlap=0,pack_gqa=0] [--no-error]
 
 Times the attention benchmark's paged prefill rows (its own `flex_times`, a CUDA graph of the call) with
 sliding_window(1024) and these score mods, in this order:
@@ -84,13 +85,38 @@ def softcap_error(dev, cap: float = 30.0, L: int = 1024, H: int = 8, D: int = 12
     return errors[0], errors[1]
 
 
+def patch_fa4_score_mod_calls(options: dict) -> None:
+    """FA4's launch options (its _flash_attn_fwd keywords: mma_pv_is_rs, intra_wg_overlap, pack_gqa) for the calls
+    that carry a score mod; the others keep FA4's own choice."""
+    from flash_attn.cute import interface
+    fwd = interface._flash_attn_fwd
+
+    def patched(*args, **kwargs):
+        if kwargs.get("score_mod") is not None:
+            kwargs.update(options)
+        return fwd(*args, **kwargs)
+    interface._flash_attn_fwd = patched
+
+
+def parse_fa4_options(text: str) -> dict:
+    """'mma_pv_is_rs=0,pack_gqa=1' -> {'mma_pv_is_rs': False, 'pack_gqa': True}"""
+    pairs = (item.split("=") for item in text.split(",") if item)
+    return {key: bool(int(value)) for key, value in pairs}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--tanh", default="engine", choices=["engine", "strict", "fastmath", "approx", "f16x2"])
     p.add_argument("--rows", default="8x1024,32x512", help="prefill cases, requests x length")
+    p.add_argument("--fa4", default="", help="FA4 launch options for the score-mod calls, e.g. intra_wg_overlap=0")
+    p.add_argument("--variants", default="none,softcap,mul,half", help="which score mods to time (with the window)")
+    p.add_argument("--no-error", action="store_true", help="skip the softcap's error against float64")
     args = p.parse_args()
     dev = torch.device("cuda")
+    if args.fa4:
+        patch_fa4_score_mod_calls(parse_fa4_options(args.fa4))
+        print(f"# FA4 options for score-mod calls: {parse_fa4_options(args.fa4)}")
     print(f"# tanh {args.tanh}: " + patch_cute_tanh(args.tanh).replace("\n", "\n# "))
     Hq, Hkv, D = 32, 8, 128
     window = masks.sliding_window(1024)
@@ -103,10 +129,12 @@ def main() -> None:
     causal = masks.get_mask_mod("causal")
     print("| causal, none | " + " | ".join(
         f"{flex_times([L] * n, [L] * n, args.page, Hq, Hkv, D, dev, (causal, None))[0]:.0f}" for n, L in rows) + " |")
-    for name, score in variants:
+    for name, score in (v for v in variants if v[0] in args.variants.split(",")):
         cells = [f"{flex_times([L] * n, [L] * n, args.page, Hq, Hkv, D, dev, (window, score))[0]:.0f}"
                  for n, L in rows]
         print(f"| window, {name} | " + " | ".join(cells) + " |", flush=True)
+    if args.no_error:
+        return
     capped, plain = softcap_error(dev)
     print(f"# max |out - float64 reference|, 1 x 8 heads x 1024, causal: softcap(30) {capped:.2e}, no score mod {plain:.2e}")
 
