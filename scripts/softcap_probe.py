@@ -19,6 +19,7 @@ CUTE_DSL_DUMP_DIR=DIR the kernels' PTX lands in DIR.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 
 import torch
@@ -91,6 +92,7 @@ def patch_fa4_score_mod_calls(options: dict) -> None:
     from flash_attn.cute import interface
     fwd = interface._flash_attn_fwd
 
+    @functools.wraps(fwd)  # (with its attributes: Inductor's call reads fwd.compile_cache)
     def patched(*args, **kwargs):
         if kwargs.get("score_mod") is not None:
             kwargs.update(options)
