@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention.metadata import AttentionMetadata, build_metadata, build_phys_to_logical
+from ..attention.metadata import LAYOUT_FIELDS, AttentionMetadata, build_metadata, build_phys_to_logical
 from ..attention.layout import choose_decode_splits, plan_layout
 from ..attention.staging import copy_into
 from .policy import compile_count, compiled_on_first_use, decode_buckets, decode_regions
@@ -119,6 +119,17 @@ def take_inputs(inputs, fed_ids, input_ids, positions, seq_lens, block_tables, s
     slot_mapping.copy_(slot)
 
 
+def own_layout_tensors(meta: AttentionMetadata) -> AttentionMetadata:
+    """`meta` with each layout array in a tensor of its own (a copy, once per bucket), as the mixed graphs' plan
+    gives them. build_metadata's are views of one packed copy, at storage offsets that differ by bucket (1 at one
+    decode row, more past it) and from the mixed graphs' (0); dynamo specialises offsets 0 and 1, so the page lists
+    compiled a graph more for each: 2 of decode_lists' 6 at start-up (TORCH_LOGS=recompiles on the H100, session
+    32's call 1)."""
+    for name in LAYOUT_FIELDS:
+        setattr(meta, name, getattr(meta, name).clone())
+    return meta
+
+
 def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
     """Everything in a decode step's metadata that depends on lengths and tables, as device ops (on CUDA the
     positions through Inductor, as the page lists in backend.prepare: a few kernels, not a launch per op)."""
@@ -195,8 +206,8 @@ class DecodeGraphRunner:
             layout = plan_layout([1] * bs, [1] * bs, decode_splits=self.splits[bs])
             # Whole per-request buffers (max_num_seqs rows), as the ordinary step pads them: one
             # compiled kernel per bucket serves both the graphs and mixed steps.
-            meta = build_metadata(b.block_tables, b.seq_lens, b.slot_mapping[:bs], layout,
-                                  self.block_size, self.num_blocks, dict(b.params))
+            meta = own_layout_tensors(build_metadata(b.block_tables, b.seq_lens, b.slot_mapping[:bs], layout,
+                                                     self.block_size, self.num_blocks, dict(b.params)))
             meta.backend = self.backend
             self.metas[bs] = meta
         return self.metas[bs]

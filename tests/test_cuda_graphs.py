@@ -608,3 +608,39 @@ def test_pdl_env_asks_inductor_for_programmatic_launches(monkeypatch, mode):
     monkeypatch.setenv("FLEXENGINE_PDL", "yes")
     with pytest.raises(ValueError, match="FLEXENGINE_PDL must be one of on, off"):
         compile_region(lambda x: x, combo=False)
+
+
+def test_decode_graph_metadata_gives_the_page_lists_no_new_compile_beside_mixed_steps(monkeypatch, tmp_path):
+    """The decode graphs' metadata hands the compiled page lists each layout array as a tensor of its own (storage
+    offset 0), as the mixed graphs' plan does. Views of one packed copy sat at offsets that differ by bucket and
+    from the mixed steps' 0, and on CUDA Inductor's code guards on offsets 0 and 1, so the lists compiled again for
+    each kind (2 of decode_lists' 6 graphs at start-up on the H100, session 32). Inductor's CPU code has no such
+    guard, so the offsets are checked here, and then that two decode buckets' metadata and a mixed-style one (arrays
+    of their own, more rows), on one code path (one split a row), compile one graph."""
+    import numpy as np
+
+    from flexengine import masks
+    from flexengine.attention.backends.paged_mods import decode_lists
+    from flexengine.attention.layout import plan_layout
+    from flexengine.attention.metadata import LAYOUT_FIELDS, metadata_on_device
+    from flexengine.compile import compiled_on_first_use
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cached graph brings its old guards
+    monkeypatch.setenv("FLEXENGINE_DECODE_SPLITS", "1")
+    llm = LLM(block_size=8, num_kv_blocks=32, enforce_eager=True)
+    r = llm.llm_engine.runner
+    g = cpu_decode_graphs(r, 8)
+    torch._dynamo.reset()
+    lists = compiled_on_first_use(decode_lists)()
+    b, NB = g.bufs, r.num_blocks + 1
+    with torch.inference_mode():
+        metas = [g.static_meta(8), g.static_meta(4)]
+        assert {g.splits[8], g.splits[4]} == {1}
+        offsets = {(bs, f): getattr(m, f).storage_offset() for bs, m in zip((8, 4), metas) for f in LAYOUT_FIELDS}
+        assert set(offsets.values()) == {0}, {k: v for k, v in offsets.items() if v}
+        layout = plan_layout([1] * 6, [1] * 6, decode_splits=1)
+        own = {f: torch.as_tensor(np.asarray(getattr(layout, f), dtype=np.int64)) for f in LAYOUT_FIELDS}
+        metas.append(metadata_on_device(layout, own, b.block_tables, b.seq_lens, b.slot_mapping[:6], 8, NB))
+        before = compile_count()
+        for meta in metas:
+            lists(meta, masks.causal, [], NB)
+    assert compile_count() - before == 1
