@@ -279,3 +279,38 @@ def test_flex_prefill_kernel_choice(caplog):
     with caplog.at_level("WARNING", logger="flexengine"):
         assert kernel.refused(RuntimeError("CuteDSL template failed: =====\nUNSUPPORTED CUTEDSL OPERATION: 'minimum'"))
     assert kernel.flash is False and "UNSUPPORTED CUTEDSL OPERATION: 'minimum'" in caplog.text
+
+
+def test_score_mods_of_the_score_alone_skip_the_coordinate_mapping():
+    """paged_score hands flex a score mod that reads no coordinate (softcap, a scaling) as it is: its kernel then
+    captures none of the step's tensors that map physical coordinates back to logical ones. A mod that reads any
+    index (ALiBi, a branch on the query, an index's shape, a per-request parameter) keeps the mapping, and so does
+    one whose probe fails for any other reason."""
+    from flexengine.attention.backends.paged_mods import paged_score, reads_coordinates
+    from flexengine.attention.layout import plan_layout
+    from flexengine.attention.metadata import build_metadata
+
+    def halve(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    def later_queries_louder(score, b, h, q_idx, kv_idx):
+        return score * 2 if q_idx > 3 else score
+
+    def by_shape(score, b, h, q_idx, kv_idx):
+        return score + kv_idx.shape[0]
+
+    def per_request(score, b, h, q_idx, kv_idx, temperature):
+        return score / temperature[b]
+
+    def broken(score, b, h, q_idx, kv_idx):
+        raise RuntimeError("not a mod")
+
+    assert not reads_coordinates(masks.softcap(30.0)) and not reads_coordinates(halve)
+    for mod in (masks.alibi([0.5, 0.25]), later_queries_louder, by_shape, per_request, broken):
+        assert reads_coordinates(mod), mod
+    layout = plan_layout([1, 3], [5, 3], block_size=4)
+    meta = build_metadata(torch.tensor([[0, 1], [2, 0]], dtype=torch.int32), torch.tensor([5, 3], dtype=torch.int32),
+                          torch.arange(4), layout, 4, 3, {"temperature": torch.ones(2)})
+    cap = masks.softcap(30.0)
+    assert paged_score(meta, cap, True) is cap and paged_score(meta, cap, False) is cap
+    assert paged_score(meta, per_request, False) is not per_request

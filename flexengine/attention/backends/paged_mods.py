@@ -7,6 +7,8 @@ lists each q block's pages (metadata.py) as one BlockMask for the decode rows an
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
@@ -133,9 +135,40 @@ def _prefill_limits(meta: AttentionMetadata) -> torch.Tensor:
     return meta.backend_state["prefill_limits"]
 
 
+class _IndexRead(Exception):
+    """A coordinate reached an op in reads_coordinates' probe."""
+
+
+class _RefusedIndex(torch.Tensor):
+    """An index that refuses every use."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise _IndexRead(func)
+
+
+@functools.cache
+def reads_coordinates(score_mod) -> bool:
+    """Whether `score_mod` reads its request, head, query or key index (or a per-request parameter, which it reads
+    by the request). A mod of the score alone (softcap, a temperature) needs none of paged_score's mapping back to
+    logical coordinates, whose gathers from the step's tensors would otherwise come along into the kernel as its
+    captured inputs. Probed once, by calling the mod on a score with indices that refuse every use: anything that
+    fails counts as reading."""
+    if request_params(score_mod, SCORE_ARGS):
+        return True
+    index = torch.zeros((), dtype=torch.int32).as_subclass(_RefusedIndex)
+    try:
+        score_mod(torch.zeros(()), index, index, index, index)
+    except Exception:  # (_IndexRead, or whatever else a mod does with an index it cannot use)
+        return True
+    return False
+
+
 def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: bool = False, direct: bool = False):
     if score_mod is None:
         return None
+    if not reads_coordinates(score_mod):
+        return score_mod  # the same on every coordinate system
     values = param_values(meta, score_mod, SCORE_ARGS)
     P = meta.block_size
 
