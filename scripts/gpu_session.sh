@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then the named stages in order, under one time budget (a stage that no
 # longer fits is skipped, and says so). Logs land in $OUT (or ./bench_out); a summary comes last.
-#   bash scripts/gpu_session.sh [stage...]      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
+#   bash scripts/gpu_session.sh stage...      BUDGET=seconds (default 560), ENGINE_ARGS="--flag value ..."
 # Stages: tests (pytest -m gpu; TESTS="files" narrows it), tests_attention (the attention kernels' GPU tests), attention (kernel
 # table; ATTN_ARGS adds arguments, here and in the next two), attention_workspace (the same with 128-token pages copied into
 # the workspace), attention_window (the same with sliding_window(1024) + softcap(30)), compare (flexengine vs
@@ -17,7 +17,7 @@
 # the commit archived in .base.tgz, `git archive REV | gzip > .base.tgz`, carried (run's carry: [".base.tgz"]), on
 # the same box; then this tree again),
 # host_sampling (the same for issue 20's JSON and
-# penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py at 128-token pages for each of TANH_FORMS, default "fastmath approx", with each kernel's PTX kept), fa4_tiles (scripts/fa4_tile_probe.py, after fa4: FA4's 128- against 192-row q tiles at head size 64; TILE_ARGS), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
+# penalties workloads beside plain sampling, with each step's host busy time against its wall), softcap (scripts/softcap_probe.py at 128-token pages for each of TANH_FORMS, default "engine"; SOFTCAP_ARGS adds arguments), fa4_tiles (scripts/fa4_tile_probe.py, after fa4: FA4's 128- against 192-row q tiles at head size 64; TILE_ARGS), grammar_probe (scripts/grammar_fill_probe.py: xgrammar's fill and accept
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
 # latency at batch 8 and 32), gemv_rows (gemv_probe.py: the few-rows kernel against cuBLAS at 8 and 32 rows),
@@ -44,6 +44,10 @@
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR. At the end
 # everything in $OUT is packed into $OUT/logs.tgz (the device tool brings back at most 8 files).
 set -u
+if (( $# == 0 )); then  # (it ran `tests attention compare latency` once: a call's whole budget, unasked)
+  echo "usage: bash scripts/gpu_session.sh STAGE... (e.g. fa4 tests attention compare latency; see the top of this file)" >&2
+  exit 2
+fi
 # The checkpoint goes to /dev/shm when it has room: writing 2.5 GB to the box's disk took about a minute.
 SHM_FREE_KB=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}')
 if (( ${SHM_FREE_KB:-0} > 8000000 )); then DEFAULT_MODEL_DIR=/dev/shm/llama1b; else DEFAULT_MODEL_DIR=/tmp/llama1b; fi
@@ -116,7 +120,7 @@ carried_site() {
     --target "$1" "${newer[@]}"
 }
 
-for stage in ${*:-tests attention compare latency}; do
+for stage in "$@"; do
   case $stage in
     tests) carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1  # xgrammar for the JSON-mode tests, if carried
            step gpu_tests 520 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -m gpu -v \
@@ -174,13 +178,8 @@ for stage in ${*:-tests attention compare latency}; do
            # the second reads them; each prints where its time went (phases, CuTe's and Triton's compiles, FA4's keys)
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
-    softcap) for form in ${TANH_FORMS:-fastmath approx}; do  # what a softcap score mod costs in FA4, per tanh lowering
-               CUTE_DSL_KEEP=ptx CUTE_DSL_DUMP_DIR="$OUT/ptx_$form" step "softcap_$form" 200 \
-                 python3 scripts/softcap_probe.py --page 128 --tanh "$form"
-               # the score mod's special-function ops in each kernel's PTX
-               grep -c -E "tanh\.approx|ex2\.approx|rcp\.approx|div\.(rn|full)" "$OUT/ptx_$form"/*.ptx 2>/dev/null | tail -8
-               grep -h -o -E "(tanh|ex2|rcp)\.approx[.a-z0-9]*|div\.(rn|full)[.a-z0-9]*" "$OUT/ptx_$form"/*.ptx 2>/dev/null \
-                 | sort | uniq -c; done ;;
+    softcap) for form in ${TANH_FORMS:-engine}; do  # what a softcap score mod costs in FA4, per tanh lowering
+               step "softcap_$form" 200 python3 scripts/softcap_probe.py --page 128 --tanh "$form" ${SOFTCAP_ARGS:-}; done ;;
     fa4_tiles) step fa4_tiles 240 python3 scripts/fa4_tile_probe.py ${TILE_ARGS:-} ;;  # FA4's q tile at D = 64 (after fa4)
     splits) model && step decode_splits_probe 300 python3 scripts/decode_splits_probe.py --model "$MODEL_DIR" ;;
            # issue 16: small-batch decode with the engine's split-KV against one split, by context
