@@ -1,7 +1,7 @@
 """What a softcap score mod costs in flex's FA4 prefill, and why (issue 15: window + softcap within 15% of causal).
 
     python3 scripts/softcap_probe.py [--page 16] [--tanh engine|strict|fastmath|approx|f16x2] [--rows 8x1024,32x512]
-        [--variants none,softcap,mul,half] [--fa4 mma_pv_is_rs=0,intra_wg_overlap=0,pack_gqa=0] [--no-error]
+        [--variants none,softcap,mul,half] [--fa4 mma_pv_is_rs=0,intra_wg_overlap=0,pack_gqa=0] [--no-error] [--mapped]
 
 Times the attention benchmark's paged prefill rows (its own `flex_times`, a CUDA graph of the call) with
 sliding_window(1024) and these score mods, in this order:
@@ -13,8 +13,10 @@ sliding_window(1024) and these score mods, in this order:
 prefill_kernel.use_fast_tanh), `strict` (torch's own math.tanh), `fastmath` (cute.math.tanh(fastmath=True), as FA4's
 own softcap), `approx` (cute_tanh.tanh_approx: PTX tanh.approx.f32 per element), `f16x2` (cute_tanh.tanh_f16x2: two
 elements per tanh.approx.f16x2). Each lowering writes other code,
-so FA4 compiles its own kernel for it (its compile cache keys on the code). With CUTE_DSL_KEEP=ptx and
-CUTE_DSL_DUMP_DIR=DIR the kernels' PTX lands in DIR.
+so FA4 compiles its own kernel for it (its compile cache keys on the code; Inductor's caches are turned off).
+--fa4 sets FA4's launch options for the calls that carry a score mod; --mapped runs every score mod through
+paged_score's mapping to logical coordinates (the engine skips it for a mod that reads none since session 32).
+Session 32's rows: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -114,8 +116,14 @@ def main() -> None:
     p.add_argument("--fa4", default="", help="FA4 launch options for the score-mod calls, e.g. intra_wg_overlap=0")
     p.add_argument("--variants", default="none,softcap,mul,half", help="which score mods to time (with the window)")
     p.add_argument("--no-error", action="store_true", help="skip the softcap's error against float64")
+    p.add_argument("--mapped", action="store_true", help="every score mod through paged_score's coordinate mapping, "
+                   "as before session 32 (its kernel captures the step's tables)")
     args = p.parse_args()
     dev = torch.device("cuda")
+    if args.mapped:
+        from flexengine.attention.backends import paged_mods
+        paged_mods.reads_coordinates = lambda score_mod: True
+        print("# score mods mapped to logical coordinates (paged_score's wrapper), as before session 32")
     if args.fa4:
         patch_fa4_score_mod_calls(parse_fa4_options(args.fa4))
         print(f"# FA4 options for score-mod calls: {parse_fa4_options(args.fa4)}")
