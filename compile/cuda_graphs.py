@@ -122,9 +122,8 @@ def take_inputs(inputs, fed_ids, input_ids, positions, seq_lens, block_tables, s
 def own_layout_tensors(meta: AttentionMetadata) -> AttentionMetadata:
     """`meta` with each layout array in a tensor of its own (a copy, once per bucket), as the mixed graphs' plan
     gives them. build_metadata's are views of one packed copy, at storage offsets that differ by bucket (1 at one
-    decode row, more past it) and from the mixed graphs' (0); dynamo specialises offsets 0 and 1, so the page lists
-    compiled a graph more for each: 2 of decode_lists' 6 at start-up (TORCH_LOGS=recompiles on the H100, session
-    32's call 1)."""
+    decode row, more past it) and from the mixed graphs' (0); dynamo specialises offsets 0 and 1, and guards on
+    them made 2 of the page lists' 6 graphs at start-up (TORCH_LOGS=recompiles on the H100, session 32's call 1)."""
     for name in LAYOUT_FIELDS:
         setattr(meta, name, getattr(meta, name).clone())
     return meta

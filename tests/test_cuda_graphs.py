@@ -613,10 +613,10 @@ def test_pdl_env_asks_inductor_for_programmatic_launches(monkeypatch, mode):
 def test_decode_graph_metadata_gives_the_page_lists_no_new_compile_beside_mixed_steps(monkeypatch, tmp_path):
     """The decode graphs' metadata hands the compiled page lists each layout array as a tensor of its own (storage
     offset 0), as the mixed graphs' plan does. Views of one packed copy sat at offsets that differ by bucket and
-    from the mixed steps' 0, and on CUDA Inductor's code guards on offsets 0 and 1, so the lists compiled again for
-    each kind (2 of decode_lists' 6 graphs at start-up on the H100, session 32). Inductor's CPU code has no such
-    guard, so the offsets are checked here, and then that two decode buckets' metadata and a mixed-style one (arrays
-    of their own, more rows), on one code path (one split a row), compile one graph."""
+    from the mixed steps' 0; on the H100 dynamo guarded on offsets 0 and 1 there, and the lists compiled again for
+    each kind (2 of decode_lists' 6 graphs at start-up, session 32). The CPU's compile made no such guard here, so
+    the offsets are checked, and then that two decode buckets' metadata and a mixed-style one (arrays of their own,
+    more rows), on one code path (one split a row), compile one graph."""
     import numpy as np
 
     from flexengine import masks
