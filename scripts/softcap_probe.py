@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 
 import torch
 
 from flexengine import masks
+from flexengine.attention.backends import prefill_kernel
 from flexengine.benchmarks.attention import flex_times, sdpa_prefill
 
 
@@ -38,7 +38,7 @@ def softcap_mul(cap: float):
     return softcap_mul_score
 
 
-TANH_FORMS = {"strict": "cute.math.tanh({x})", "fastmath": "cute.math.tanh({x}, fastmath=True)",
+TANH_FORMS = {"strict": "cute.math.tanh({x})", "fastmath": prefill_kernel.FAST_TANH,
               "approx": '__import__("cute_tanh").tanh_approx({x})', "f16x2": '__import__("cute_tanh").tanh_f16x2({x})'}
 
 
@@ -50,21 +50,14 @@ def half_score(score, b, h, q_idx, kv_idx):
 def patch_cute_tanh(form: str) -> str:
     """Switch torch's CuTe DSL lowering of tanh to `form` (after the engine's own switch, so this one stays); returns
     the lowering's template."""
-    from torch._inductor.codegen.cutedsl.cutedsl_op_overrides import CuteDSLOpOverrides
-
-    from flexengine.attention.backends import prefill_kernel
-    prefill_kernel.use_fast_tanh()
+    engine = prefill_kernel.FAST_TANH if prefill_kernel.use_fast_tanh() else "torch's own (strict)"
     if form == "engine":
-        return inspect.getsource(CuteDSLOpOverrides.tanh)
+        return engine
     # Inductor's caches key on the graph, not on the lowering: a cached kernel would be the other form's
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    template = TANH_FORMS[form]
-
-    def tanh(x0):
-        return CuteDSLOpOverrides._apply_unary_op(x0, template)
-    CuteDSLOpOverrides.tanh = staticmethod(tanh)
-    return template
+    assert prefill_kernel.lower_tanh_as(TANH_FORMS[form]), "this torch has no CuTe DSL tanh lowering"
+    return TANH_FORMS[form]
 
 
 def softcap_error(dev, cap: float = 30.0, L: int = 1024, H: int = 8, D: int = 128) -> tuple[float, float]:

@@ -130,8 +130,8 @@ def main() -> None:
     if sampler:
         for what, seconds in COMPILES.items():
             print(f"{what}: {len(seconds)} calls, {sum(seconds):.1f} s (longest {max(seconds):.1f} s)", flush=True)
+        first = FA4_KEYS[0][1] if FA4_KEYS else ()
         for i, (fn, key) in enumerate(FA4_KEYS):  # the first in full, the others where they differ from it
-            first = FA4_KEYS[0][1]
             shown = key if i == 0 else {j: v for j, v in enumerate(key) if j >= len(first) or v != first[j]}
             print(f"FA4 compile {i} ({fn}): {shown}", flush=True)
         print(sampler.report(), flush=True)

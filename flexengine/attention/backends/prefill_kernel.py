@@ -62,26 +62,36 @@ def fa4_unsupported_reason(device: torch.device, dtype: torch.dtype, D: int) -> 
     return fa4_installed()
 
 
-@functools.cache
-def use_fast_tanh() -> bool:
-    """Make flex's FA4 code generator emit fast-math tanh (`cute.math.tanh(x, fastmath=True)`, as FA4's
-    own softcap does) instead of the strict `math.tanh` torch lowers `torch.tanh` to. A softcap(30) mod
-    with a 1,024 window cost 367 µs against 228 µs without it at 8 x 1024 on the H100, 265 µs with fast
-    tanh (docs/benchmarks.md, session 13). Process-wide, once; False (said once) where this torch has
-    no such lowering to adjust: softcap stays correct, only slower."""
+FAST_TANH = "cute.math.tanh({x}, fastmath=True)"  # FA4's own softcap's form
+
+
+def lower_tanh_as(template: str) -> bool:
+    """Make flex's FA4 code generator write `torch.tanh` in a mod as `template` (CuTe DSL code, `{x}` the operand),
+    process-wide; False where this torch has no CuTe DSL tanh lowering to replace."""
     try:
         from torch._inductor.codegen.cutedsl.cutedsl_op_overrides import CuteDSLOpOverrides as ops
     except ImportError:
-        ops = None
-    if ops is None or not callable(getattr(ops, "_apply_unary_op", None)) or not hasattr(ops, "tanh"):
-        logger.warning("flex prefill on FA4: torch %s has no CuTe DSL tanh lowering to switch to fast math; tanh "
-                       "in a score mod stays the strict (slower) form", torch.__version__)
+        return False
+    if not callable(getattr(ops, "_apply_unary_op", None)) or not hasattr(ops, "tanh"):
         return False
 
     def tanh(x0):
-        return ops._apply_unary_op(x0, "cute.math.tanh({x}, fastmath=True)")
+        return ops._apply_unary_op(x0, template)
     ops.tanh = staticmethod(tanh)
     return True
+
+
+@functools.cache
+def use_fast_tanh() -> bool:
+    """Make flex's FA4 code generator emit fast-math tanh (FAST_TANH) instead of the strict `math.tanh` torch
+    lowers `torch.tanh` to. A softcap(30) mod with a 1,024 window cost 367 µs against 228 µs without it at 8 x 1024
+    on the H100, 265 µs with fast tanh (docs/benchmarks.md, session 13). Process-wide, once; False (said once)
+    where this torch has no such lowering to adjust: softcap stays correct, only slower."""
+    if lower_tanh_as(FAST_TANH):
+        return True
+    logger.warning("flex prefill on FA4: torch %s has no CuTe DSL tanh lowering to switch to fast math; tanh "
+                   "in a score mod stays the strict (slower) form", torch.__version__)
+    return False
 
 
 # Prefill tiles (Q_TILE rows) per q block of the FA4 call; None: fa4_q_tiles. Benchmarks set it
