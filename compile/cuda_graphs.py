@@ -58,6 +58,7 @@ class DecodeBuffers:
         self.header = 3 + 3 * max_bs
         self.inputs = torch.zeros(self.header + (4 + width) * max_bs, dtype=torch.long, device=device)
         self.fed_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.held: tuple[int, int, int] | None = None  # the (mode, n, k) `inputs` holds, when a move wrote it
 
     def stage(self, packed: np.ndarray, n: int, params) -> None:
         """Send a whole batch (pack_decode's array over max_bs columns, n real) for the next replay."""
@@ -65,6 +66,7 @@ class DecodeBuffers:
         header = np.zeros(self.header, dtype=np.int64)
         header[:2] = FILL, n
         copy_into(np.concatenate([header, packed.ravel()]), self.inputs, self.inputs.device)
+        self.held = None
         for name, buf in self.params.items():
             assert params[name].dtype == buf.dtype, (name, params[name].dtype, buf.dtype)  # one kernel per dtype
             buf[:n].copy_(params[name])
@@ -78,11 +80,13 @@ class DecodeBuffers:
         device), after writing `new_pages` ([3, k]: row, column and page of each page appended since)."""
         n, k = token_ids.shape[0], 0 if new_pages is None else new_pages.shape[1]
         assert k <= n and (k == 0 or new_pages[1].min() > 0), (k, n)  # one page a row at most, never a first one
-        moves = np.empty(3 + 3 * k, dtype=np.int64)
-        moves[:3] = MOVE, n, k
-        if k:
-            moves[3:] = new_pages.T.ravel()
-        copy_into(moves, self.inputs, self.inputs.device)
+        if self.held != (MOVE, n, 0) or k:  # (a steady batch with no new page sends nothing: the buffer holds it)
+            moves = np.empty(3 + 3 * k, dtype=np.int64)
+            moves[:3] = MOVE, n, k
+            if k:
+                moves[3:] = new_pages.T.ravel()
+            copy_into(moves, self.inputs, self.inputs.device)
+            self.held = (MOVE, n, k)
         self.fed_ids[:n].copy_(token_ids)
 
 

@@ -2,6 +2,7 @@
 
     python3 scripts/softcap_probe.py [--page 16] [--tanh engine|strict|fastmath|approx|f16x2] [--rows 8x1024,32x512]
         [--variants none,softcap,mul,half] [--fa4 mma_pv_is_rs=0,intra_wg_overlap=0,pack_gqa=0] [--no-error] [--mapped]
+        [--native]
 
 Times the attention benchmark's paged prefill rows (its own `flex_times`, a CUDA graph of the call) with
 sliding_window(1024) and these score mods, in this order:
@@ -16,6 +17,8 @@ elements per tanh.approx.f16x2). Each lowering writes other code,
 so FA4 compiles its own kernel for it (its compile cache keys on the code; Inductor's caches are turned off).
 --fa4 sets FA4's launch options for the calls that carry a score mod; --mapped runs every score mod through
 paged_score's mapping to logical coordinates (the engine skips it for a mod that reads none since session 32).
+--native adds FA4's own entry point (flash_attn_func on contiguous batches, its causal, window_size and softcap
+arguments, no flex): what FlashAttention-4's built-in softcap costs against its own causal call.
 Session 32's rows: docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -81,6 +84,28 @@ def softcap_error(dev, cap: float = 30.0, L: int = 1024, H: int = 8, D: int = 12
     return errors[0], errors[1]
 
 
+def native_fa4_rows(rows, Hq: int, Hkv: int, D: int, dev) -> None:
+    """FA4's flash_attn_func on contiguous [n, L, heads, D] batches, each call replayed from a CUDA graph."""
+    from flash_attn.cute.interface import flash_attn_func
+
+    from flexengine.benchmarks.attention import bench
+    cases = [("causal", {}), ("window(1024)", {"window_size": (1023, 0)}), ("softcap(30)", {"softcap": 30.0}),
+             ("window + softcap", {"window_size": (1023, 0), "softcap": 30.0})]
+    tensors = {(n, L): [torch.randn(n, L, h, D, device=dev, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv)]
+               for n, L in rows}
+    for name, kwargs in cases:
+        cells = []
+        for n, L in rows:
+            q, k, v = tensors[(n, L)]
+            call = lambda: flash_attn_func(q, k, v, causal=True, **kwargs)  # noqa: E731
+            call()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            cells.append(f"{bench(graph.replay):.0f}")
+        print(f"| FA4's own, {name} | " + " | ".join(cells) + " |", flush=True)
+
+
 def patch_fa4_score_mod_calls(options: dict) -> None:
     """FA4's launch options (its _flash_attn_fwd keywords: mma_pv_is_rs, intra_wg_overlap, pack_gqa) for the calls
     that carry a score mod; the others keep FA4's own choice."""
@@ -109,6 +134,7 @@ def main() -> None:
     p.add_argument("--fa4", default="", help="FA4 launch options for the score-mod calls, e.g. intra_wg_overlap=0")
     p.add_argument("--variants", default="none,softcap,mul,half", help="which score mods to time (with the window)")
     p.add_argument("--no-error", action="store_true", help="skip the softcap's error against float64")
+    p.add_argument("--native", action="store_true", help="also FA4's own flash_attn_func: causal, window, softcap")
     p.add_argument("--mapped", action="store_true", help="every score mod through paged_score's coordinate mapping, "
                    "as before session 32 (its kernel captures the step's tables)")
     args = p.parse_args()
@@ -136,6 +162,8 @@ def main() -> None:
         cells = [f"{flex_times([L] * n, [L] * n, args.page, Hq, Hkv, D, dev, (window, score))[0]:.0f}"
                  for n, L in rows]
         print(f"| window, {name} | " + " | ".join(cells) + " |", flush=True)
+    if args.native:
+        native_fa4_rows(rows, Hq, Hkv, D, dev)
     if args.no_error:
         return
     capped, plain = softcap_error(dev)

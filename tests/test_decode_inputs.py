@@ -78,3 +78,25 @@ def test_a_changed_batch_is_packed_whole():
     tracker.forget()
     step_on(a, None)
     assert tracker.next_step([a]) is None
+
+
+def test_a_steady_move_with_no_new_page_sends_nothing(monkeypatch):
+    """The decode graphs' staged header stays in its buffer: a step that moves the same rows on with no new page
+    copies nothing, and every other step (new pages, another row count, after a whole batch) sends its own."""
+    import torch
+
+    from flexengine.compile import cuda_graphs
+    from flexengine.compile.cuda_graphs import FILL, MOVE, DecodeBuffers
+    bufs = DecodeBuffers(4, 3, {}, scratch_slot=0, device="cpu")
+    sent, copy_into = [], cuda_graphs.copy_into
+    monkeypatch.setattr(cuda_graphs, "copy_into", lambda a, *rest: sent.append(a[:3].tolist()) or copy_into(a, *rest))
+    ids = torch.tensor([5, 6, 7])
+    bufs.move_on_next(ids, np.array([[1], [2], [9]]))  # row 1 gets page 9 in column 2
+    assert bufs.inputs[:6].tolist() == [MOVE, 3, 1, 1, 2, 9]
+    for n in (3, 3, 2, 2):
+        bufs.move_on_next(ids[:n], np.zeros((3, 0), dtype=np.int64))
+        assert bufs.inputs[:3].tolist() == [MOVE, n, 0]
+        assert bufs.fed_ids[:n].tolist() == ids[:n].tolist()
+    bufs.stage(np.zeros((4 + 3, 4), dtype=np.int64), 2, {})
+    bufs.move_on_next(ids[:2])
+    assert sent == [[MOVE, 3, 1], [MOVE, 3, 0], [MOVE, 2, 0], [FILL, 2, 0], [MOVE, 2, 0]]

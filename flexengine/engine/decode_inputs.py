@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter, is_not
+from operator import attrgetter, is_not, lt, sub
 
 import numpy as np
 
 
 def table_entries(tables: list[list[int]]):
     """Every page of every block table at once: (row, column, page) flat, and each table's length."""
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    lens = np.array(list(map(len, tables)), dtype=np.int64)
     row = np.repeat(np.arange(len(tables)), lens)
     col = np.arange(len(row)) - np.repeat(np.cumsum(lens) - lens, lens)
-    return row, col, np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=len(row)), lens
+    return row, col, np.array(list(chain.from_iterable(tables)), dtype=np.int64), lens
 
 
 _block_table, _token_ids = attrgetter("block_table"), attrgetter("token_ids")
@@ -63,8 +63,8 @@ class MovedOn:
 class _Step:
     seqs: list
     tables: list[list[int]]  # the block table objects themselves: a freed sequence gets a new one
-    lens: np.ndarray
-    num_tokens: np.ndarray
+    lens: list[int]
+    num_tokens: list[int]
 
 
 class DecodeTracker:
@@ -81,16 +81,21 @@ class DecodeTracker:
         """Record `seqs` as the batch the buffers hold after this step. Returns the step's changes when
         `seqs` is the last step's batch, in order, each request one token further and its block table only
         grown; else None (pack the whole batch)."""
+        # Plain lists, each made by one map in C: np.fromiter over the same maps took 2.5x as long (session 33:
+        # 103 -> 50 us for 256 requests on the development CPU), and most steps compare equal lists only.
         seqs = list(seqs)
-        tables = list(map(_block_table, seqs))  # (maps with attrgetter: no Python frame per sequence)
-        num_tokens = np.fromiter(map(len, map(_token_ids, seqs)), dtype=np.int64, count=len(seqs))
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        tables = list(map(_block_table, seqs))
+        num_tokens = list(map(len, map(_token_ids, seqs)))
+        lens = list(map(len, tables))
         last, self.last = self.last, _Step(seqs, tables, lens, num_tokens)
-        # (the comparisons run in C: a Sequence compares by identity, and `is_not` maps over the tables)
-        if (last is None or seqs != last.seqs
-                or any(map(is_not, tables, last.tables))
-                or not (np.array_equal(num_tokens, last.num_tokens + 1) and (lens >= last.lens).all())):
+        # (a Sequence compares by identity; `is_not` maps over the tables)
+        if last is None or seqs != last.seqs or any(map(is_not, tables, last.tables)):
             return None
-        grown = np.nonzero(lens > last.lens)[0].tolist()
-        new = [(i, j, tables[i][j]) for i in grown for j in range(last.lens[i], lens[i])]
+        if list(map(sub, num_tokens, last.num_tokens)).count(1) != len(seqs):
+            return None
+        if lens == last.lens:  # no page appended since (most steps)
+            return MovedOn(seqs, np.zeros((3, 0), dtype=np.int64))
+        if any(map(lt, lens, last.lens)):
+            return None
+        new = [(i, j, tables[i][j]) for i, (n, m) in enumerate(zip(lens, last.lens)) if n != m for j in range(m, n)]
         return MovedOn(seqs, np.asarray(new, dtype=np.int64).reshape(-1, 3).T.copy())

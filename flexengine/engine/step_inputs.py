@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from itertools import chain
+from operator import add, attrgetter, getitem
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from ..attention.layout import StepLayout, plan_layout
 from .decode_inputs import table_entries
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+
+_num_computed_tokens = attrgetter("num_computed_tokens")
+_token_ids, _block_table = attrgetter("token_ids"), attrgetter("block_table")
 
 
 @dataclass
@@ -38,14 +42,17 @@ def pack_lengths(batch: ScheduledBatch, min_rows: int = 0) -> PackedStep:
     arrays have at least `min_rows` rows (padding: length 0, no pages)."""
     seqs = batch.seqs
     R = len(seqs)
-    query_lens = np.asarray(batch.num_new_tokens, dtype=np.int64)
-    starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=R)
-    seq_lens = starts + query_lens
-    ids = np.fromiter(chain.from_iterable(s.token_ids[a:a + n] for s, a, n in zip(seqs, starts, query_lens)),
+    # Every walk over the requests is one map in C (no Python frame per request): a step of 8 chunks beside 248
+    # decodes took 566 us here with generator expressions, 300 us with maps (development CPU, session 33).
+    starts = list(map(_num_computed_tokens, seqs))
+    ends = list(map(add, starts, batch.num_new_tokens))
+    query_lens = np.array(batch.num_new_tokens, dtype=np.int64)
+    seq_lens = np.array(ends, dtype=np.int64)
+    ids = np.fromiter(chain.from_iterable(map(getitem, map(_token_ids, seqs), map(slice, starts, ends))),
                       dtype=np.int64, count=int(query_lens.sum()))
     # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long contexts. The
     # device side widens it where a fixed shape needs that (ModelRunner.prepare_step).
-    row, col, page, table_lens = table_entries([s.block_table for s in seqs])
+    row, col, page, table_lens = table_entries(list(map(_block_table, seqs)))
     rows = max(R, min_rows)
     tables = np.zeros((rows, int(table_lens.max())), dtype=np.int32)
     tables[row, col] = page
@@ -53,7 +60,7 @@ def pack_lengths(batch: ScheduledBatch, min_rows: int = 0) -> PackedStep:
     padded_lens[:R] = seq_lens
     ends = np.cumsum(query_lens)
     # A sequence gets a token when this step computes its last known token (its prompt is done).
-    done = np.flatnonzero(seq_lens == np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=R))
+    done = np.flatnonzero(seq_lens == np.array(list(map(len, map(_token_ids, seqs))), dtype=np.int64))
     return PackedStep(ids, query_lens, tables, padded_lens, [seqs[i] for i in done.tolist()], ends[done] - 1, ends - 1)
 
 
