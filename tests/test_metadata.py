@@ -222,12 +222,22 @@ def test_split_kv_auto_splits_a_lone_request_in_the_kernel_and_refuses_nonsense(
 def test_to_device_through_the_pinned_ring_keeps_every_copy():
     """More copies than the ring has slots, queued behind slow GPU work: a slot rewritten before its copy
     ran would hand the device another array's values."""
-    from flexengine.attention.staging import PinnedStaging, to_device
+    from flexengine.attention.staging import PinnedStaging, copy_into, to_device
     x = torch.randn(4096, 4096, device="cuda")
     for _ in range(10):
         x @ x  # keep the stream busy while the copies queue up
+    # every third array transposed (not contiguous), every fifth into a buffer (copy_into), some empty
     arrays = [np.full((3, 5 + i % 7), i, dtype=np.int64 if i % 2 else np.float32) for i in range(3 * PinnedStaging.SLOTS)]
-    copies = [to_device(a, "cuda") for a in arrays]
+    arrays = [a.T if i % 3 == 0 else a[:, :0] if i % 11 == 0 else a for i, a in enumerate(arrays)]
+    buffers = {i: torch.zeros(64, dtype=torch.int64 if i % 2 else torch.float32, device="cuda")
+               for i in range(0, len(arrays), 5)}
+    copies = []
+    for i, a in enumerate(arrays):
+        if i in buffers:
+            copy_into(a, buffers[i], "cuda")
+            copies.append(buffers[i][: a.size].view(a.shape))
+        else:
+            copies.append(to_device(a, "cuda"))
     for a, c in zip(arrays, copies):
         np.testing.assert_array_equal(c.cpu().numpy(), a)
 
