@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter, is_not, lt, sub
+from operator import attrgetter, is_not, itemgetter, lt, sub
 
 import numpy as np
 
@@ -24,11 +24,11 @@ def table_entries(tables: list[list[int]]):
     return row, col, np.array(list(chain.from_iterable(tables)), dtype=np.int64), lens
 
 
-_block_table, _token_ids = attrgetter("block_table"), attrgetter("token_ids")
+_block_table, _token_ids, _last = attrgetter("block_table"), attrgetter("token_ids"), itemgetter(-1)
 
 
 def last_tokens(seqs) -> np.ndarray:
-    return np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
+    return np.array(list(map(_last, map(_token_ids, seqs))), dtype=np.int64)
 
 
 def pack_decode(seqs, block_size: int, columns: int = 0) -> np.ndarray:
@@ -36,11 +36,12 @@ def pack_decode(seqs, block_size: int, columns: int = 0) -> np.ndarray:
     column per request, only as wide as the longest table; columns past a request's last page are never read);
     columns past R are zeros."""
     P, R = block_size, len(seqs)
-    row, col, page, lens = table_entries([s.block_table for s in seqs])
+    token_lists = list(map(_token_ids, seqs))  # (one map each: a generator's frame per request cost twice as much)
+    row, col, page, lens = table_entries(list(map(_block_table, seqs)))
     packed = np.zeros((4 + int(lens.max()), max(R, columns)), dtype=np.int64)
     packed[4 + col, row] = page
-    pos = np.fromiter(map(len, map(_token_ids, seqs)), dtype=np.int64, count=R) - 1
-    packed[0, :R] = last_tokens(seqs)
+    pos = np.array(list(map(len, token_lists)), dtype=np.int64) - 1
+    packed[0, :R] = list(map(_last, token_lists))
     packed[1, :R], packed[3, :R] = pos, pos + 1
     packed[2, :R] = packed[4 + pos // P, np.arange(R)] * P + pos % P
     return packed
