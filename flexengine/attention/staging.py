@@ -35,8 +35,8 @@ class PinnedStaging:
     """A ring of preallocated pinned slots for small host→device copies. Pinning fresh memory for each
     copy (`pin_memory()`) took 12% of the server engine's host time on the H100 box (py-spy). A slot is
     written again only after the copy that last read it has run: an event per GROUP slots, recorded after the
-    group's last copy. A slot is written through numpy (the pinned bytes' numpy view): on the H100 box's CPU
-    each torch view or slice of it cost ~8 µs and each event record ~12 µs (scripts/staging_probe.py)."""
+    group's last copy. A slot is written through numpy (the pinned bytes' numpy view): on the H100 boxes' CPUs
+    each torch view or slice of it cost 3.5-8 µs and each event record 5-12 µs (scripts/staging_probe.py)."""
     SLOTS, SLOT_BYTES, GROUP = 32, 1 << 20, 4
 
     def __init__(self, device: torch.device):
