@@ -10,8 +10,12 @@ scratch slot. The host sends only each request's query and sequence lengths, the
 the layout, positions and slots (attention/device_plan.py), the page lists and the BlockMasks are built on
 the device inside the graph, as in the decode graphs.
 The engine captures every key at start-up (compile/warmup.capture_mixed_graphs); a key met later
-anyway is captured then (that step runs the same code eagerly and uses its result). Steps with more
-than `max_tiles` prefill tiles run without a graph: their launches are spread over many tokens.
+anyway is captured then (that step runs the same code eagerly and uses its result).
+
+Steps with more than `max_tiles` prefill tiles (up to the largest bucket, `plan_tiles`) run their model without a
+graph (its launches are spread over thousands of tokens, and a whole graph per key would cost start-up seconds and
+memory), but their plan and metadata come from a small graph of their own (`plan_graphs`): built by eager launches,
+the metadata of an 8,192-token step cost 3.4-4.0 ms of host time on the H100 box (session 33), one replay costs ~15 µs.
 """
 from __future__ import annotations
 
@@ -56,11 +60,12 @@ class MixedKey:
     num_segments: int  # prefill segments, padded to layout.segment_capacity
     workspace_pages: int  # pages gathered into the prefill workspace (graph_workspace_pages of num_tiles)
     kernel_splits: int = 1  # the decode kernel's programs per row
+    q_tiles: int = 1  # prefill tiles per q block (wide blocks: only past max_tiles, where the model runs eagerly)
 
     @classmethod
     def of(cls, layout: StepLayout) -> "MixedKey":
         return cls(layout.num_decode, layout.decode_splits, layout.num_tiles, layout.num_segments, len(layout.ws_req),
-                   layout.kernel_splits)
+                   layout.kernel_splits, layout.q_tiles)
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +77,8 @@ class MixedKey:
         empty = np.zeros(0, np.int64)
         return StepLayout(query_lens=[], seq_lens=[], num_tokens=self.num_tokens, num_decode=self.num_decode,
                           decode_splits=self.splits, num_tiles=self.num_tiles, num_segments=self.num_segments,
-                          kernel_splits=self.kernel_splits, **dict.fromkeys(LAYOUT_ARRAYS, empty))
+                          kernel_splits=self.kernel_splits, q_tiles=self.q_tiles,
+                          **dict.fromkeys(LAYOUT_ARRAYS, empty))
 
 
 LAYOUT_ARRAYS = [f for f in LAYOUT_FIELDS if f != "decode_req"]  # (decode_req: a view of span_req on the host)
@@ -83,15 +89,18 @@ class MixedGraphRunner:
 
     A step's static inputs are its requests' query and sequence lengths and its ids (one packed buffer, shared by
     every key) and the block tables; the layout, positions and slots are planned inside the graph
-    (attention/device_plan.py), at `capacity` sizes, so one compiled plan serves every key."""
+    (attention/device_plan.py), at `capacity` sizes, so one compiled plan serves every key. A key of up to
+    `max_tiles` prefill tiles replays one graph of the whole step; a larger one (up to `plan_tiles`) replays the
+    graph of its plan and metadata, then runs the model eagerly on them."""
 
     def __init__(self, run_model, backend, mods, *, rows: int, table_width: int, block_size: int, num_blocks: int,
                  params: dict[str, torch.dtype], scratch_slot: int, device, num_kv_heads: int,
                  workspace_pages: int | None = None, pool=None, max_tiles: int = MAX_GRAPH_TILES,
-                 use_graphs: bool = True):
+                 plan_tiles: int | None = None, use_graphs: bool = True):
         self.run_model, self.backend, self.mods = run_model, backend, mods
         self.rows, self.width, self.block_size, self.num_blocks = rows, table_width, block_size, num_blocks
         self.scratch_slot, self.max_tiles, self.workspace_pages = scratch_slot, max_tiles, workspace_pages
+        self.plan_tiles = max(max_tiles, plan_tiles or 0)
         self.device = torch.device(device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.pool = pool
@@ -99,12 +108,12 @@ class MixedGraphRunner:
         self.capacity = PlanCapacity(
             decode_requests=max(buckets),
             decode_rows=max(b * choose_decode_splits(b, num_kv_heads, self.device) for b in buckets),
-            tiles=max_tiles, segments=segment_capacity(max_tiles, rows),
-            workspace_pages=graph_workspace_pages(max_tiles, block_size, workspace_pages))
+            tiles=self.plan_tiles, segments=segment_capacity(self.plan_tiles, rows),
+            workspace_pages=graph_workspace_pages(self.plan_tiles, block_size, workspace_pages))
         with torch.inference_mode():
             self.params = {name: torch.zeros(rows, dtype=dtype, device=self.device) for name, dtype in params.items()}
             # query lengths [rows], sequence lengths [rows], then the token ids [tiles * Q_TILE]
-            self.inputs = torch.zeros(2 * rows + max_tiles * Q_TILE, dtype=torch.int64, device=self.device)
+            self.inputs = torch.zeros(2 * rows + self.plan_tiles * Q_TILE, dtype=torch.int64, device=self.device)
             # Block tables, shared by every key, column-major: a step copies only the columns its longest
             # table needs (max_model_len-wide rows were 16 MB per key at 131,072 tokens). Columns past them
             # hold an earlier step's pages, which nothing reads: page lists stop at a request's length and
@@ -114,20 +123,28 @@ class MixedGraphRunner:
         self.decode_shape: dict[MixedKey, torch.Tensor] = {}  # per key: its padded decode requests and their rows
         self.graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[MixedKey, torch.Tensor] = {}
+        # keys past max_tiles: the graph of their plan and metadata, and what it leaves (ids, positions, metadata)
+        self.plan_graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
+        self.planned: dict[MixedKey, tuple] = {}
         self.capture_seconds = 0.0
 
     def fits(self, key: MixedKey) -> bool:
-        """Up to max_tiles prefill tiles, with the graph's workspace (the runner pads a step to it when its
+        """Up to plan_tiles prefill tiles, with the graph's workspace (the runner pads a step to it when its
         contexts fit): a step that prefills over a longer cached prefix has long kernels, and runs without.
-        And within the device plan's capacity (split-KV rows are chosen again at each step, from the environment)."""
+        And within the device plan's capacity (split-KV rows are chosen again at each step, from the environment).
+        Wide q blocks only where the model runs eagerly (a whole graph is keyed without them)."""
         cap = self.capacity
-        return (0 < key.num_tiles <= self.max_tiles and key.workspace_pages == graph_workspace_pages(
+        return (0 < key.num_tiles <= self.plan_tiles and key.workspace_pages == graph_workspace_pages(
                 key.num_tiles, self.block_size, self.workspace_pages)
                 and key.num_decode <= cap.decode_requests and key.num_decode * key.splits <= cap.decode_rows
-                and key.num_segments <= cap.segments)
+                and key.num_segments <= cap.segments and (key.q_tiles == 1 or not self.whole(key)))
 
-    def forward(self, key: MixedKey) -> torch.Tensor:
-        """The step over the static buffers: the plan and the metadata on the device, then the model."""
+    def whole(self, key: MixedKey) -> bool:
+        """Whether one graph holds the key's whole step (else only its plan and metadata)."""
+        return key.num_tiles <= self.max_tiles
+
+    def plan(self, key: MixedKey):
+        """The step's plan and metadata over the static buffers, on the device: → (ids, positions, metadata)."""
         rows = self.rows
         query_lens, seq_lens, ids = self.inputs.split([rows, rows, self.capacity.tiles * Q_TILE])
         tables = self.tables_WR.view(self.width, rows).t().clone(memory_format=torch.contiguous_format)  # (strides
@@ -141,7 +158,11 @@ class MixedGraphRunner:
         meta.backend = self.backend
         self.backend.prepare(meta, self.mods)
         # Fresh tensors (no storage offset), as the ordinary step passes them: no new compiled variant.
-        return self.run_model(ids[: key.num_tokens].clone(), v["positions"].clone(), meta)
+        return ids[: key.num_tokens].clone(), v["positions"].clone(), meta
+
+    def forward(self, key: MixedKey) -> torch.Tensor:
+        """The whole step over the static buffers: the plan and the metadata on the device, then the model."""
+        return self.run_model(*self.plan(key))
 
     @torch.inference_mode()
     def run(self, ids, query_lens, seq_lens, tables, key: MixedKey, params: dict[str, torch.Tensor],
@@ -164,6 +185,8 @@ class MixedGraphRunner:
         for name, buf in self.params.items():
             assert params[name].dtype == buf.dtype, (name, params[name].dtype, buf.dtype)
             buf.copy_(params[name][: self.rows])
+        if not self.whole(key):
+            return self.run_model(*self.planned_step(key))[:n]
         if key in self.graphs:
             self.graphs[key].replay()
             return self.hidden[key][:n]
@@ -171,6 +194,23 @@ class MixedGraphRunner:
         if self.use_graphs:
             self.capture(key)
         return hidden[:n]
+
+    def planned_step(self, key: MixedKey):
+        """plan(key) from the key's graph (captured the first time), or eagerly without graphs."""
+        if key in self.plan_graphs:
+            self.plan_graphs[key].replay()
+            return self.planned[key]
+        planned = self.plan(key)  # (eagerly first: what compiles on first use does so outside the capture)
+        if not self.use_graphs:
+            return planned
+        start = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(graph, self.pool):
+            self.planned[key] = self.plan(key)
+        self.plan_graphs[key] = graph
+        self.capture_seconds += time.perf_counter() - start
+        graph.replay()  # (capture runs nothing)
+        return self.planned[key]
 
     def capture(self, key: MixedKey) -> None:
         start = time.perf_counter()

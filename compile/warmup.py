@@ -62,7 +62,8 @@ def mixed_graph_runner(runner, pool):
         runner.run_model, runner.backend, runner.mods, rows=runner.config.max_num_seqs,
         table_width=runner.table_width, block_size=runner.block_size, num_blocks=runner.num_blocks + 1,
         params=runner.param_dtypes(), scratch_slot=runner.num_blocks * runner.block_size, device=runner.device,
-        num_kv_heads=runner.num_kv_heads, workspace_pages=runner.backend.workspace_pages, pool=pool)
+        num_kv_heads=runner.num_kv_heads, workspace_pages=runner.backend.workspace_pages, pool=pool,
+        max_tiles=runner.whole_graph_tiles, plan_tiles=max_prefill_tiles(runner.config.max_num_batched_tokens))
 
 
 def max_prefill_tiles(max_num_batched_tokens: int) -> int:
@@ -148,15 +149,15 @@ def run_dummy(runner, seqs: list, num_new_tokens: list[int]) -> None:
 
 
 def capture_mixed_graphs(runner) -> int:
-    """Capture the graph of every step layout with prompt tokens that fits one (decode bucket or none,
-    times prefill tile bucket), so that none is captured while requests wait; then run the logits
-    GEMM at every row count such a step can sample (cuBLAS loads kernels on first use). Returns how
-    many graphs were captured."""
+    """Capture the graph of every step layout with prompt tokens (decode bucket or none, times prefill tile
+    bucket): the whole step's up to max_tiles, the plan and metadata's past it; so that none is captured while
+    requests wait. Then run the logits GEMM at every row count such a step can sample (cuBLAS loads kernels on
+    first use). Returns how many graphs were captured."""
     from ..engine.scheduler import ScheduledBatch
     graphs, cfg = runner.mixed_graphs, runner.config
     buckets = decode_buckets(cfg.max_num_seqs)
-    top = min(graphs.max_tiles, max_prefill_tiles(cfg.max_num_batched_tokens))
-    before = len(graphs.graphs)
+    top = min(graphs.plan_tiles, max_prefill_tiles(cfg.max_num_batched_tokens))
+    before = len(graphs.graphs) + len(graphs.plan_graphs)
     with torch.inference_mode():
         for tiles in tile_buckets(top):
             for rows in [0] + buckets:
@@ -175,7 +176,7 @@ def capture_mixed_graphs(runner) -> int:
                              device=runner.device)
         for n in range(1, cfg.max_num_seqs + 1):
             runner.model.compute_logits(hidden[:n])
-    return len(graphs.graphs) - before
+    return len(graphs.graphs) + len(graphs.plan_graphs) - before
 
 
 def warm_up_sampling(runner) -> None:

@@ -1,4 +1,5 @@
 """Decode CUDA graphs: the static-buffer step equals the ordinary step; on a GPU, graphs == eager."""
+import dataclasses
 import re
 
 import pytest
@@ -100,6 +101,11 @@ def test_static_buffer_mixed_step_matches_the_ordinary_step():
         ([chunk_seq(6, 140, 0, list(range(14, 32))), chunk_seq(7, 2, 1, [0]), chunk_seq(8, 50, 40, list(range(1, 8)))],
          [140, 1, 10]),
     ]
+    # past max_tiles only the plan and the metadata come from the runner (a graph of their own on CUDA), the model
+    # runs on them eagerly: the 140-token chunk's two tiles here
+    planned = MixedGraphRunner(r.run_model, r.backend, r.mods, rows=3, table_width=r.table_width, block_size=8,
+                               num_blocks=r.num_blocks + 1, params={}, scratch_slot=r.num_blocks * 8, device="cpu",
+                               num_kv_heads=r.num_kv_heads, max_tiles=1, plan_tiles=2)
     keys = set()
     for seqs, new in steps:
         batch = ScheduledBatch(seqs, new)
@@ -108,14 +114,16 @@ def test_static_buffer_mixed_step_matches_the_ordinary_step():
             expected = r.run_model(inputs.input_ids, inputs.positions, inputs.meta)
             p = r.pack_step(batch)
             key = MixedKey.of(p.layout)
-            assert g.fits(key)
             query_lens = p.query_lens  # (this runner's rows: the step's three requests)
-            got = g.run(p.ids[: len(inputs.input_ids)], query_lens, p.seq_lens, p.tables, key, {})
+            for runner in (g, planned):
+                assert runner.fits(key) and runner.whole(key) == (runner is g or key.num_tiles == 1)
+                got = runner.run(p.ids[: len(inputs.input_ids)], query_lens, p.seq_lens, p.tables, key, {})
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         keys.add(key)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert len(keys) < len(steps), "no step reused a key's buffers"
+    assert any(k.num_tiles == 2 for k in keys), "no step took the plan-only path"
+    assert not planned.fits(dataclasses.replace(key, num_tiles=4)), "a key past the plan's capacity"
     # a key past the device plan's capacity (split rows chosen again from the environment) runs without a graph
-    import dataclasses
     assert not g.fits(dataclasses.replace(key, num_decode=g.capacity.decode_requests + 1))
     assert not g.fits(dataclasses.replace(key, splits=g.capacity.decode_rows + 1, num_decode=1))
 
@@ -125,7 +133,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.gpu
 @needs_cuda
-def test_graphs_equal_eager_and_no_recompiles_after_warm_up():
+def test_graphs_equal_eager_and_no_recompiles_after_warm_up(monkeypatch):
     import random
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1, 250) for _ in range(rng.randint(1, 300))]} for _ in range(300)]
@@ -151,9 +159,13 @@ def test_graphs_equal_eager_and_no_recompiles_after_warm_up():
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_eager))
     assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ between graphs and eager"
     del eager
-    for flags, how in ((dict(num_scheduler_steps=4), "with 4 steps per schedule"),
-                       (dict(async_scheduling=True), "with async scheduling")):
+    from flexengine.compile import mixed_graphs
+    for flags, how, whole_tiles in ((dict(num_scheduler_steps=4), "with 4 steps per schedule", 16),
+                                    (dict(async_scheduling=True), "with async scheduling, steps of 3-4 tiles "
+                                     "from graphs of their plan and metadata alone", 2)):
+        monkeypatch.setattr(mixed_graphs, "MAX_GRAPH_TILES", whole_tiles)
         llm = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, attention_backend="flex", **flags)
+        assert bool(llm.llm_engine.runner.mixed_graphs.plan_graphs) == (whole_tiles < 4)
         before = compile_count()
         out = llm.generate(prompts, params, use_tqdm=False)
         assert compile_count() == before, f"a shape compiled after warm-up ({how})"
@@ -208,17 +220,20 @@ def mixed_traffic(n=14, seed=0, max_len=90, max_tokens=12, **params):
     return prompts, [SamplingParams(max_tokens=rng.randint(1, max_tokens), ignore_eos=True, **params) for _ in prompts]
 
 
-@pytest.mark.parametrize("enforce_eager, combo_up_to, block_size", [(False, 1, None), (False, 4, None), (True, 1, None),
-                                                                   (False, 1, 128)])
+@pytest.mark.parametrize("enforce_eager, combo_up_to, block_size, whole_tiles",
+                         [(False, 1, None, 16), (False, 4, None, 16), (True, 1, None, 16), (False, 1, 128, 16),
+                          (False, 1, 128, 0)])
 def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, enforce_eager, combo_up_to, block_size,
-                                                         monkeypatch):
+                                                         whole_tiles, monkeypatch):
     """The CUDA engine's shape policy, checked on CPU: after the warm-up (the decode buckets compiled
     by the capture, or by the warm-up under enforce_eager), mixed prefill/decode traffic adds no
     graph, and gives the tokens the plain CPU engine gives; also with the regions' combo version in every decode
     bucket (cuda_graphs.COMBO_UP_TO: one more dynamic compile, made by the capture), and with the GPU's 128-token
-    pages, which prefill reads in place (no workspace copy)."""
-    from flexengine.compile import cuda_graphs
+    pages, which prefill reads in place (no workspace copy); and with no whole mixed graph (whole_tiles 0: every step
+    with prompt tokens replays only its plan and metadata, then runs the model eagerly, as past 16 tiles on a GPU)."""
+    from flexengine.compile import cuda_graphs, mixed_graphs
     monkeypatch.setattr(cuda_graphs, "COMBO_UP_TO", combo_up_to)
+    monkeypatch.setattr(mixed_graphs, "MAX_GRAPH_TILES", whole_tiles)
     combo = set()  # whether each decode bucket's step ran the regions' combo version
     regions = cuda_graphs.decode_regions
     monkeypatch.setattr(cuda_graphs, "decode_regions", lambda on: combo.add(on) or regions(on))
@@ -233,9 +248,14 @@ def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, en
     layer = runner.model.model.layers[0]  # the regions' versions: combo (batch 1, or up to COMBO_UP_TO) and plain
     assert set(type(layer).attention_inputs.compiled) == (set() if enforce_eager else {True, False})
     assert combo == (set() if enforce_eager else {True} if combo_up_to == 4 else {True, False})  # buckets 1, 2, 4
+    ran = []  # the mixed steps' keys, and whether each ran whole
+    if not enforce_eager:
+        run = runner.mixed_graphs.run
+        runner.mixed_graphs.run = lambda *a, **kw: ran.append(runner.mixed_graphs.whole(a[4])) or run(*a, **kw)
     before = compile_count()
     got = static.generate(prompts, params, use_tqdm=False)
     assert compile_count() == before, "a shape compiled after warm-up"
+    assert set(ran) == (set() if enforce_eager else {whole_tiles > 0})
     gpu_shaped_engines()
     plain = LLM(**config, enforce_eager=True)
     assert not plain.llm_engine.runner.static_shapes
@@ -479,10 +499,14 @@ def test_float_parameters_run_on_the_decode_graphs_without_recompiles(gpu_shaped
     assert got[0] != got[1], "the caps changed nothing: the test would not see them ignored"
 
 
-def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines):
+@pytest.mark.parametrize("whole_tiles", [16, 1])
+def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines, whole_tiles, monkeypatch):
     """capture_mixed_graphs prepares one key per (decode bucket or none, tile bucket); mixed traffic
-    then meets no step layout with prompt tokens that start-up did not prepare."""
+    then meets no step layout with prompt tokens that start-up did not prepare; also where the 2-tile keys
+    are past the whole graphs' tiles (their plan and metadata alone)."""
+    from flexengine.compile import mixed_graphs
     from flexengine.compile.warmup import capture_mixed_graphs
+    monkeypatch.setattr(mixed_graphs, "MAX_GRAPH_TILES", whole_tiles)
     llm = LLM(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=96, max_model_len=96)
     runner = llm.llm_engine.runner
     graphs = runner.mixed_graphs
@@ -499,6 +523,7 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines):
     llm.generate(prompts, params, use_tqdm=False)
     assert set(met) <= keys, "traffic met a layout start-up did not capture"
     assert len(set(met)) >= 4  # several decode buckets beside prompts
+    assert {graphs.whole(k) for k in met} == ({True} if whole_tiles == 16 else {True, False})
 
 
 def test_compiled_take_inputs_and_rotary_tables_equal_eager(monkeypatch, tmp_path):

@@ -28,7 +28,8 @@ from ..attention.layout import (Q_TILE, choose_decode_splits, segment_capacity, 
                                 workspace_tokens)
 from ..attention.staging import to_device
 from ..compile import bucket, decode_buckets, fused_elementwise, tile_bucket, wide_q_tiles
-from ..compile.mixed_graphs import MAX_GRAPH_TILES, MixedKey, graph_workspace_pages
+from ..compile import mixed_graphs
+from ..compile.mixed_graphs import MixedKey, graph_workspace_pages
 from ..compile.warmup import max_prefill_tiles
 from ..config import EngineConfig, compile_cache_defaults, resolve_device
 from ..layers import gemv as one_row_gemv
@@ -125,9 +126,10 @@ class ModelRunner:
         # KV cache is sized; the scheduler keeps each step's prefill contexts within it.
         self.workspace_tokens = None
         # The largest prefill bucket: its steps over long contexts may take wide q blocks (compile.wide_q_tiles),
-        # unless a mixed CUDA graph (keyed without them) serves it
+        # unless a whole mixed CUDA graph (keyed without them) serves it
         top = max_prefill_tiles(config.max_num_batched_tokens)
-        self.max_prefill_tiles = top if top > MAX_GRAPH_TILES else 0
+        self.whole_graph_tiles = mixed_graphs.MAX_GRAPH_TILES  # (read here: tests lower it)
+        self.max_prefill_tiles = top if top > self.whole_graph_tiles else 0
         if self.static_shapes:
             pages = -(-workspace_tokens_wanted(config, self.hf_config) // self.block_size)
             self.backend.reserve_workspace(pages, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
@@ -197,7 +199,7 @@ class ModelRunner:
         pad = self.step_padding(p) if pad is None else pad
         rows, kernel_splits = split_rows_or_programs(pad["decode_splits"], pad["pad_decode_to"])
         key = MixedKey(pad["pad_decode_to"], rows, pad["pad_tiles_to"], pad["pad_segments_to"],
-                       pad["pad_workspace_to"], kernel_splits)
+                       pad["pad_workspace_to"], kernel_splits, pad["q_tiles"])
         return key if self.mixed_graphs.fits(key) else None
 
     def run_mixed_graph(self, p: PackedStep, key: MixedKey, seqs: list[Sequence], feed=None) -> torch.Tensor:
@@ -239,11 +241,13 @@ class ModelRunner:
 
     def workspace_bucket(self, query_lens: np.ndarray, seq_lens: np.ndarray, tiles: int) -> int:
         """Workspace pages a step of `tiles` (padded) prefill tiles gathers: a mixed CUDA graph's fixed
-        number when its contexts fit one (compile/mixed_graphs.py), else just what it needs."""
+        number when its contexts fit one (compile/mixed_graphs.py), else just what it needs. Prefill that reads
+        the pages in place gathers nothing, so any step takes the graph's number."""
         need = workspace_tokens(query_lens, seq_lens, self.block_size)
         assert need <= self.workspace_tokens, (need, self.workspace_tokens)  # the scheduler's promise
         graph = graph_workspace_pages(tiles, self.block_size, self.backend.workspace_pages)
-        return graph if 0 < tiles <= MAX_GRAPH_TILES and need <= graph * self.block_size else 0
+        fits = need <= graph * self.block_size or self.backend.direct(self.block_size, self.device)
+        return graph if tiles > 0 and fits else 0
 
     def attention_params(self, seqs: list[Sequence], rows: int = 0) -> dict[str, torch.Tensor]:
         """Per-request mod parameters (SamplingParams.attention_params) as [max(R, rows)] tensors.
