@@ -15,6 +15,8 @@ import logging
 import os
 import time
 
+import numpy as np
+
 from ..attention.layout import Q_TILE, workspace_align
 from ..config import EngineConfig, default_block_size, default_max_num_batched_tokens, resolve_device
 from ..masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
@@ -164,8 +166,10 @@ class LLMEngine:
         grammar = None if spec is None else self.grammars.compile(spec)  # cached; ValueError naming the spec
         seqs = [self._make_sequence(request_id, i, prompt_ids, params.for_completion(i), grammar)
                 for i in range(params.n)]
+        prompt_array = np.array(prompt_ids, dtype=np.int64)  # (shared by the n completions, never written)
         for seq in seqs:
             seq.text_at_end = final_only and not params.stop
+            seq.prompt_array = prompt_array
         self.requests[request_id] = Request(request_id, text, prompt_ids, params, seqs, final_only, delta)
         for seq in seqs:
             self.scheduler.add(seq)

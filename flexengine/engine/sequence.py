@@ -6,6 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class Sequence:
     num_sent_tokens: int = 0               # output tokens and text characters already reported,
     num_sent_chars: int = 0                # for a request that reports deltas
     num_pending: int = 0                   # trailing token_ids that are PENDING
+    prompt_array: np.ndarray | None = None  # the prompt's ids, int64, made at admission: a chunk's ids are a slice
 
     @property
     def num_tokens(self) -> int:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from itertools import chain
-from operator import add, attrgetter, getitem
+from itertools import repeat
+from operator import add, attrgetter, getitem, sub
 
 import numpy as np
 
@@ -48,8 +48,15 @@ def pack_lengths(batch: ScheduledBatch, min_rows: int = 0) -> PackedStep:
     query_lens = np.array(batch.num_new_tokens, dtype=np.int64)
     seq_lens = np.array(stops, dtype=np.int64)
     token_lists = list(map(_token_ids, seqs))
-    ids = np.fromiter(chain.from_iterable(map(getitem, token_lists, map(slice, starts, stops))), dtype=np.int64,
-                      count=int(query_lens.sum()))
+    ends = np.cumsum(query_lens)
+    # Each request's last scheduled token (a decode row's only one), then the longer chunks over them: slices of
+    # the prompts' arrays (np.fromiter over the Python ints of 8,192 prompt tokens took 190 µs on the dev CPU)
+    ids = np.empty(int(ends[-1]), dtype=np.int64)
+    ids[ends - 1] = list(map(getitem, token_lists, map(sub, stops, repeat(1))))
+    chunks = np.flatnonzero(query_lens > 1).tolist()
+    if chunks:
+        ids[np.repeat(query_lens > 1, query_lens)] = np.concatenate(
+            [chunk_ids(seqs[i], starts[i], stops[i]) for i in chunks])
     # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long contexts. The
     # device side widens it where a fixed shape needs that (ModelRunner.prepare_step).
     row, col, page, table_lens = table_entries(list(map(_block_table, seqs)))
@@ -58,10 +65,17 @@ def pack_lengths(batch: ScheduledBatch, min_rows: int = 0) -> PackedStep:
     tables[row, col] = page
     padded_lens = np.zeros(rows, dtype=np.int32)
     padded_lens[:R] = seq_lens
-    ends = np.cumsum(query_lens)
     # A sequence gets a token when this step computes its last known token (its prompt is done).
     done = np.flatnonzero(seq_lens == np.array(list(map(len, token_lists)), dtype=np.int64))
     return PackedStep(ids, query_lens, tables, padded_lens, [seqs[i] for i in done.tolist()], ends[done] - 1, ends - 1)
+
+
+def chunk_ids(seq: Sequence, start: int, stop: int) -> np.ndarray:
+    """The ids of tokens [start, stop) of `seq`: a slice of its prompt's array where they are prompt tokens."""
+    prompt = seq.prompt_array
+    if prompt is not None and stop <= len(prompt):
+        return prompt[start:stop]
+    return np.array(seq.token_ids[start:stop], dtype=np.int64)
 
 
 def plan_step(p: PackedStep, block_size: int, padding: dict, scratch_slot: int | None) -> PackedStep:
