@@ -13,7 +13,7 @@
 # a first start with empty compile caches, then a second that reads them), metadata_probe
 # (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
 # (scripts/step_host_time.py: host time of each step's inputs), host_mixed (the same at a 2,048-token budget, so the
-# steps with prompt tokens run from the mixed graphs, with a cProfile of the run), host_base (host_mixed's table for
+# steps with prompt tokens run from the mixed graphs, with a cProfile of the run), host_base (the host stage's table, HOST_ARGS or a 2,048-token budget, for
 # the commit archived in .base.tgz, `git archive REV | gzip > .base.tgz`, carried (run's carry: [".base.tgz"]), on
 # the same box; then this tree again),
 # host_sampling (the same for issue 20's JSON and
@@ -159,14 +159,16 @@ for stage in "$@"; do
                step "fa4_$backend" "$left" env PYTHONPATH="$FA4_PATH" OUT="$OUT/fa4_$backend" STEPS="throughput latency" \
                  BUDGET="$left" ENGINE_ARGS="${ENGINE_ARGS:-} --attention-backend $backend" bash scripts/e2e_bench.sh
              done; fi ;;
-    host) model && step step_host_time 150 python3 scripts/step_host_time.py --model "$MODEL_DIR" ;;  # issue 15, item 3
+    host) model && step step_host_time "${HOST_CAP:-150}" python3 scripts/step_host_time.py --model "$MODEL_DIR" \
+             ${HOST_ARGS:-} ;;  # issue 15, item 3 (HOST_ARGS="--max-model-len 4096 ...")
     host_mixed) model && step step_host_time_mixed 150 python3 scripts/step_host_time.py --model "$MODEL_DIR" \
              --max-num-batched-tokens 2048 --workload plain,plain --cprofile "$OUT/host_mixed.pstats" ;;  # mixed graphs
     host_base) model && [[ -f .base.tgz ]] || { echo "host_base: no .base.tgz (git archive REV | gzip > .base.tgz)"; continue; }
            rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .base.tgz -C /tmp/base  # host_mixed's run on the base
            python3 -m pip install -q --no-deps --no-build-isolation -e /tmp/base >>"$OUT/install.log" 2>&1
-           step step_host_time_mixed_base 150 python3 /tmp/base/scripts/step_host_time.py --model "$MODEL_DIR" \
-             --max-num-batched-tokens 2048  # (the base's own script and timers)
+           # (this tree's script and timers, on the base's package; HOST_ARGS as the host stage's, e.g. a budget)
+           step step_host_time_base "${HOST_CAP:-150}" python3 "$PWD/scripts/step_host_time.py" --model "$MODEL_DIR" \
+             ${HOST_ARGS:---max-num-batched-tokens 2048}
            python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 ;;
     host_sampling) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1  # (xgrammar, as sampling's)
            # issue 20: is a JSON or penalised step bound by the host or the device? One engine, 256 x 256 x 64 each

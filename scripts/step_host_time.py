@@ -12,8 +12,9 @@ scheduled batch into device inputs (medians and p90 over the steps of each kind,
 - steps with prompt tokens: `pack_lengths` (ids, each request's lengths, the block tables), then from a mixed
   graph `graph_key` and `MixedGraphRunner.run` (one packed copy of ids and lengths, the tables, the replay: the
   layout, positions, slots and metadata are planned inside the graph, attention/device_plan.py);
-- or, too large for a graph: `plan_step` (positions, slots and `plan_layout` on the host) and `prepare_step`,
-  whose metadata is built by eager launches.
+  (past 16 prefill tiles the graph holds the plan and metadata alone, and the model runs eagerly after it);
+- or, where no graph serves (warm-up, 16-token pages over a long context): `plan_step` (positions, slots and
+  `plan_layout` on the host) and `prepare_step`, whose metadata is built by eager launches.
 The model's own launches are not counted (they are the graph replay, or the eager layers); on CUDA a row times
 `CUDAGraph.replay` itself, every graph's launch, the part of each replayed step no host packing can remove.
 
@@ -75,6 +76,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's (a longer start-up)")
     p.add_argument("--workload", default="plain",
                    help="comma-separated, one engine for all: plain (greedy, as before), json (needs xgrammar), penalties")
     p.add_argument("--cprofile", default=None, metavar="FILE",
@@ -83,7 +85,8 @@ def main() -> None:
                         "a clean table first)")
     args = p.parse_args()
     llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "float32",
-              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks)
+              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+              max_model_len=args.max_model_len)
     runner = llm.llm_engine.runner
     times = collections.defaultdict(list)
     # (the table lists them in this order: each step kind, then what it is made of)
