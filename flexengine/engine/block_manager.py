@@ -19,6 +19,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from .block_tables import NO_ROW, BlockTables
 from .sequence import PENDING, Sequence
 
 BROKEN = -1  # chain_serial of a sequence whose hash chain hit a collision: cache none of its later pages
@@ -51,6 +52,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self._serials = itertools.count()
         self.num_hits = 0  # pages reused through the prefix cache (for stats and tests)
+        self.tables = BlockTables()  # every sequence's block table again, as rows of one array (for the steps)
 
     # ---------------------------------------------------------------- accounting
     def num_free_blocks(self) -> int:
@@ -104,6 +106,7 @@ class BlockManager:
         """Give `seq` the prefix-cache `hits` (a fresh sequence only), then pages for `num_new_tokens`."""
         hits = list(hits)
         assert self.can_allocate(seq, num_new_tokens, hits)
+        held = len(seq.block_table)
         if not seq.block_table:
             seq.num_cached_tokens = len(hits) * self.block_size
         if hits:
@@ -117,6 +120,8 @@ class BlockManager:
             self.num_hits += len(hits)
         for _ in range(self._new_pages_needed(seq, num_new_tokens, [])):
             seq.block_table.append(self._take_page())
+        if len(seq.block_table) > held:
+            self.tables.extend(seq, seq.block_table[held:])
 
     def _acquire(self, bid: int) -> None:
         block = self.blocks[bid]
@@ -153,6 +158,7 @@ class BlockManager:
                 else:
                     self.free_ids.append(bid)
         seq.block_table = []
+        self.tables.release(seq)
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
         seq.chain_hash = seq.chain_serial = None
 
@@ -190,12 +196,15 @@ class BlockManager:
 
     # ---------------------------------------------------------------- invariants (tests, debugging)
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
-        P = self.block_size
+        P, seqs = self.block_size, list(seqs)
         owners = [0] * self.num_blocks
         logical = {}
         for seq in seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a page twice"
             assert len(seq.block_table) >= self.blocks_for(seq.num_computed_tokens), seq
+            if seq.table_row != NO_ROW:  # (the rows a step reads mirror the lists)
+                n = self.tables.lens[seq.table_row]
+                assert self.tables.pages_RW[seq.table_row, :n].tolist() == seq.block_table, f"{seq}'s row differs"
             for i, bid in enumerate(seq.block_table):
                 owners[bid] += 1
                 assert logical.setdefault(bid, i) == i, f"page {bid} sits at two logical indices"
@@ -203,6 +212,8 @@ class BlockManager:
                 if block.token_ids is not None:
                     assert block.token_ids == tuple(seq.token_ids[i * P:(i + 1) * P]), \
                         f"cached page {bid} holds other tokens than {seq} at page {i}"
+        rows = [seq.table_row for seq in seqs if seq.block_table]
+        assert NO_ROW not in rows and len(set(rows)) == len(rows), "a sequence's pages without a row of its own"
         free, evictable = set(self.free_ids), set(self.evictable)
         assert len(free) == len(self.free_ids) and not free & evictable
         for block in self.blocks:

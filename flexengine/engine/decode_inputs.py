@@ -10,18 +10,11 @@ appended since (vLLM keeps a persistent batch for the same reason).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 from operator import attrgetter, is_not, itemgetter, lt, sub
 
 import numpy as np
 
-
-def table_entries(tables: list[list[int]]):
-    """Every page of every block table at once: (row, column, page) flat, and each table's length."""
-    lens = np.array(list(map(len, tables)), dtype=np.int64)
-    row = np.repeat(np.arange(len(tables)), lens)
-    col = np.arange(len(row)) - np.repeat(np.cumsum(lens) - lens, lens)
-    return row, col, np.array(list(chain.from_iterable(tables)), dtype=np.int64), lens
+from .block_tables import batch_tables
 
 
 _block_table, _token_ids, _last = attrgetter("block_table"), attrgetter("token_ids"), itemgetter(-1)
@@ -31,15 +24,16 @@ def last_tokens(seqs) -> np.ndarray:
     return np.array(list(map(_last, map(_token_ids, seqs))), dtype=np.int64)
 
 
-def pack_decode(seqs, block_size: int, columns: int = 0) -> np.ndarray:
+def pack_decode(seqs, block_size: int, columns: int = 0, block_tables=None) -> np.ndarray:
     """[4 + width, max(R, columns)] int64: ids, positions, slots, lengths, then the block tables transposed (a
     column per request, only as wide as the longest table; columns past a request's last page are never read);
-    columns past R are zeros."""
+    columns past R are zeros. block_tables: the block manager's rows of the tables (engine/block_tables.py), else
+    the sequences' lists are read."""
     P, R = block_size, len(seqs)
     token_lists = list(map(_token_ids, seqs))  # (one map each: a generator's frame per request cost twice as much)
-    row, col, page, lens = table_entries(list(map(_block_table, seqs)))
-    packed = np.zeros((4 + int(lens.max()), max(R, columns)), dtype=np.int64)
-    packed[4 + col, row] = page
+    tables = batch_tables(block_tables, seqs)
+    packed = np.zeros((4 + tables.shape[1], max(R, columns)), dtype=np.int64)
+    packed[4:, :R] = tables.T
     pos = np.array(list(map(len, token_lists)), dtype=np.int64) - 1
     packed[0, :R] = list(map(_last, token_lists))
     packed[1, :R], packed[3, :R] = pos, pos + 1

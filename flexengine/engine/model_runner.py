@@ -296,20 +296,20 @@ class ModelRunner:
         """{per-request parameter: its dtype}, sorted by name: what a CUDA graph's static buffers hold."""
         return {name: p.dtype for name, p in sorted(self.mod_params.items())}
 
-    def run_decode_graph(self, seqs: list[Sequence], feed=None) -> torch.Tensor:
+    def run_decode_graph(self, seqs: list[Sequence], feed=None, block_tables=None) -> torch.Tensor:
         """A whole decode batch from the decode graphs: ids, positions, slots, lengths and tables in ONE host→device
         copy (decode_inputs.pack_decode), which the graph unpacks itself (cuda_graphs.take_inputs)."""
         g = self.decode_graphs
-        packed = pack_decode(seqs, self.block_size, columns=g.bufs.max_bs)
+        packed = pack_decode(seqs, self.block_size, columns=g.bufs.max_bs, block_tables=block_tables)
         return g.run(packed, len(seqs), self.attention_params(seqs), feed=feed)
 
-    def decode_from_graphs(self, seqs: list[Sequence], prev: InFlightStep | None) -> torch.Tensor:
+    def decode_from_graphs(self, seqs: list[Sequence], prev: InFlightStep | None, block_tables=None) -> torch.Tensor:
         """Logits of a pure decode step from the decode graphs; when the batch is the last one's moved on one
         token, only the ids and new pages go to the device (decode_inputs.py)."""
         moved = self.decode_tracker.next_step(seqs)
         fed = self.feed(prev, seqs, None)  # (None: row i is sequence i's last token)
         if moved is None:
-            return self.run_decode_graph(seqs, feed=partial(feed_inputs, fed=fed))
+            return self.run_decode_graph(seqs, feed=partial(feed_inputs, fed=fed), block_tables=block_tables)
         if fed is not None and fed[0] is None and len(fed[1]) == len(seqs):
             # every row's input is the last step's sample, on the device (async scheduling's steady state):
             # the buffers take it as it is, with no placeholder ids sent and overwritten
@@ -338,7 +338,7 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, prev: InFlightStep | None = None) -> Forwarded:
         """Queue the step's forward and the logits of the rows that sample (prompt logprobs too)."""
         if self.decode_with_graphs(batch):  # every row is a sequence's last token: no prompt token to score
-            return Forwarded(batch.seqs, self.decode_from_graphs(batch.seqs, prev), None)
+            return Forwarded(batch.seqs, self.decode_from_graphs(batch.seqs, prev, batch.block_tables), None)
         self.decode_tracker.forget()  # (the graphs' buffers stay as they are, but the batch moves on without them)
         p = self.pack_lengths(batch)
         pad = self.step_padding(p)  # (once: the graph's key, or else the host plan)
@@ -371,7 +371,7 @@ class ModelRunner:
         assert self.decode_with_graphs(batch), "a multi-step batch the decode graphs cannot run"
         self.decode_tracker.forget()  # run_next moves the buffers on num_steps times
         sampling = self.sampling.tensors(batch.seqs)
-        tokens = [self.sampler(self.run_decode_graph(batch.seqs), sampling).token_ids]
+        tokens = [self.sampler(self.run_decode_graph(batch.seqs, block_tables=batch.block_tables), sampling).token_ids]
         for k in range(1, batch.num_steps):
             step_k = self.sampling.step_on(sampling, batch.seqs, tokens[-1], k)  # penalties see the tokens so far
             tokens.append(self.sampler(self.decode_graphs.run_next(tokens[-1]), step_k).token_ids)

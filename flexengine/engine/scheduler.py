@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .block_tables import BlockTables
 from .prompt_logprobs import wants_prompt_logprobs
 from .sequence import Sequence, SequenceStatus
 
@@ -42,6 +43,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per sequence
     preempted: list[Sequence] = field(default_factory=list)
     num_steps: int = 1  # > 1: a multi-step decode, every sequence has pages for this many tokens
+    block_tables: BlockTables | None = None  # the block manager's rows of the sequences' tables (None: read the lists)
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +92,7 @@ class Scheduler:
         batch = self.schedule_multi_step()
         if batch is not None:
             return batch
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(block_tables=self.block_manager.tables)
         budget = self.max_num_batched_tokens
         self._workspace_left = self.workspace_tokens
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
@@ -145,7 +147,8 @@ class Scheduler:
             return None
         for seq in self.running:
             bm.allocate(seq, k)
-        return ScheduledBatch(list(self.running), [1] * len(self.running), num_steps=k)
+        return ScheduledBatch(list(self.running), [1] * len(self.running), num_steps=k,
+                              block_tables=self.block_manager.tables)
 
     def at_limit(self, seq: Sequence) -> bool:
         """Whether `seq` has all the tokens it may have, counting PENDING ones (async scheduling: it

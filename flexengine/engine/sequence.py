@@ -36,6 +36,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    table_row: int = -1                    # its row of the block manager's BlockTables while it holds pages
     num_computed_tokens: int = 0           # tokens whose K/V are in the cache
     num_cached_tokens: int = 0             # of those, how many came from the prefix cache at admission
     num_hashed_blocks: int = 0             # leading pages already walked by the prefix cache

@@ -14,7 +14,8 @@ from operator import add, attrgetter, getitem, sub
 import numpy as np
 
 from ..attention.layout import StepLayout, plan_layout
-from .decode_inputs import _block_table, _token_ids, table_entries
+from .block_tables import batch_tables
+from .decode_inputs import _token_ids
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -59,10 +60,8 @@ def pack_lengths(batch: ScheduledBatch, min_rows: int = 0) -> PackedStep:
             [chunk_ids(seqs[i], starts[i], stops[i]) for i in chunks])
     # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long contexts. The
     # device side widens it where a fixed shape needs that (ModelRunner.prepare_step).
-    row, col, page, table_lens = table_entries(list(map(_block_table, seqs)))
     rows = max(R, min_rows)
-    tables = np.zeros((rows, int(table_lens.max())), dtype=np.int32)
-    tables[row, col] = page
+    tables = batch_tables(batch.block_tables, seqs, rows)
     padded_lens = np.zeros(rows, dtype=np.int32)
     padded_lens[:R] = seq_lens
     # A sequence gets a token when this step computes its last known token (its prompt is done).
