@@ -126,6 +126,9 @@ class MixedGraphRunner:
         # keys past max_tiles: the graph of their plan and metadata, and what it leaves (ids, positions, metadata)
         self.plan_graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
         self.planned: dict[MixedKey, tuple] = {}
+        # The plan graphs' pool-wide page lists, per mask: one set at capacity, which every key's graph writes (a
+        # graph's outputs stay allocated while it lives; a set per key was ~2.6 GB at 31,000 pages)
+        self.kept_lists: dict | None = None
         self.capture_seconds = 0.0
 
     def fits(self, key: MixedKey) -> bool:
@@ -156,6 +159,8 @@ class MixedGraphRunner:
         meta = metadata_on_device(key.layout(), {name: v[name] for name in LAYOUT_FIELDS}, tables, seq_lens.int(),
                                   v["slots"].clone(), self.block_size, self.num_blocks, self.params)
         meta.backend = self.backend
+        if not self.whole(key):
+            meta.backend_state["kept_lists"] = self.kept_lists
         self.backend.prepare(meta, self.mods)
         # Fresh tensors (no storage offset), as the ordinary step passes them: no new compiled variant.
         return ids[: key.num_tokens].clone(), v["positions"].clone(), meta
@@ -200,6 +205,8 @@ class MixedGraphRunner:
         if key in self.plan_graphs:
             self.plan_graphs[key].replay()
             return self.planned[key]
+        if self.kept_lists is None:
+            self.kept_lists = {mask_mod: self.list_buffers() for mask_mod in dict.fromkeys(m for m, _ in self.mods)}
         planned = self.plan(key)  # (eagerly first: what compiles on first use does so outside the capture)
         if not self.use_graphs:
             return planned
@@ -211,6 +218,13 @@ class MixedGraphRunner:
         self.capture_seconds += time.perf_counter() - start
         graph.replay()  # (capture runs nothing)
         return self.planned[key]
+
+    def list_buffers(self) -> dict[str, torch.Tensor]:
+        """One mask's pool-wide page lists at the plan's capacity (paged_mods.build_block_masks' `out`)."""
+        rows = {"decode": self.capacity.decode_rows, "prefill": self.capacity.tiles}
+        with torch.inference_mode():
+            return {name + full: torch.zeros(n, self.num_blocks, dtype=torch.int32, device=self.device)
+                    for name, n in rows.items() for full in ("", "_full")}
 
     def capture(self, key: MixedKey) -> None:
         start = time.perf_counter()

@@ -193,8 +193,9 @@ class FlexBackend:
         for mask_mod, score_mod in mods:
             if mask_mod not in masks:  # eager: dense masks instead, made when a layer first asks (dense_mask)
                 pages = self.workspace_pages if self.workspace_pages is not None else len(meta.ws_src)
+                out = meta.backend_state.get("kept_lists", {}).get(mask_mod)  # (a plan graph's: mixed_graphs.py)
                 masks[mask_mod] = build_block_masks(view, mask_mod, listed_only, pages, direct,
-                                                     meta.layout.q_tiles) if compiled else (None, None)
+                                                     meta.layout.q_tiles, out) if compiled else (None, None)
             if score_mod not in scores:
                 scores[score_mod] = (paged_score(view, score_mod, True),
                                      paged_score(view, score_mod, False, workspace=compiled and not direct, direct=direct))

@@ -198,12 +198,23 @@ def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return out
 
 
+def _kept(out: dict | None, name, idx_NM: torch.Tensor) -> torch.Tensor:
+    """idx_NM itself, or copied into the leading rows of `out[name]` (a buffer that outlives the step)."""
+    if out is None:
+        return idx_NM
+    kept = out[name][: idx_NM.shape[0]]
+    kept.copy_(idx_NM)
+    return kept
+
+
 def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, workspace_pages: int,
-                      direct: bool = False, q_tiles: int = 1):
+                      direct: bool = False, q_tiles: int = 1, out: dict | None = None):
     """(decode BlockMask or None, prefill BlockMask or None) for one logical mask. Decode rows read
     the pool's pages; prefill tiles read KV_TILE blocks of a workspace of `workspace_pages` pages, or with
     `direct` (pages of KV_TILE tokens) the pool's pages in place, at most `workspace_pages` a q block of
-    `q_tiles` tiles."""
+    `q_tiles` tiles. `out`: buffers [rows, num_blocks] that the pool-wide page lists are copied into, by name
+    ("decode", "decode_full", "prefill", "prefill_full"; the graphs of compile/mixed_graphs.py keep their
+    metadata, and a pool-wide list per graph was ~16-64 MB)."""
     lay, P = meta.layout, meta.block_size
     values = param_values(meta, mask_mod, MASK_ARGS)
     Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
@@ -214,9 +225,10 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
         kv_num, kv_idx, full_num, full_idx = lists(meta, mask_mod, values, M)
         # no full lists where the kernel splits (page_lists made every page partial): with any, flex's decode
         # template splits by the pool's length, not the row's list
-        full = (None, None) if lay.kernel_splits > 1 else (full_num.view(Bd, 1, 1), full_idx.view(Bd, 1, 1, M))
+        full = (None, None) if lay.kernel_splits > 1 else (
+            full_num.view(Bd, 1, 1), _kept(out, "decode_full", full_idx).view(Bd, 1, 1, M))
         dec = BlockMask.from_kv_blocks(
-            kv_num.view(Bd, 1, 1), kv_idx.view(Bd, 1, 1, M), *full,
+            kv_num.view(Bd, 1, 1), _kept(out, "decode", kv_idx).view(Bd, 1, 1, M), *full,
             BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, True, listed_only),
             seq_lengths=(1, M * P), compute_q_blocks=False)
     if Tp and direct:
@@ -224,8 +236,9 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
         kv_num, kv_idx, full_num, full_idx = tile_page_lists(meta, mask_mod, values, workspace_pages, q_tiles)
         Tb = kv_num.shape[0]  # q blocks: the last may hold fewer than q_tiles tiles
         pre = BlockMask.from_kv_blocks(
-            kv_num.view(1, 1, Tb), _pool_wide(kv_idx, M).view(1, 1, Tb, M), full_num.view(1, 1, Tb),
-            _pool_wide(full_idx, M).view(1, 1, Tb, M), BLOCK_SIZE=(q_tiles * Q_TILE, P),
+            kv_num.view(1, 1, Tb), _kept(out, "prefill", _pool_wide(kv_idx, M)).view(1, 1, Tb, M),
+            full_num.view(1, 1, Tb), _kept(out, "prefill_full", _pool_wide(full_idx, M)).view(1, 1, Tb, M),
+            BLOCK_SIZE=(q_tiles * Q_TILE, P),
             mask_mod=paged_mask(meta, mask_mod, False, direct=True), seq_lengths=(Tp * Q_TILE, M * P),
             compute_q_blocks=False)
     elif Tp:
