@@ -88,6 +88,12 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
               max_model_len=args.max_model_len)
     runner = llm.llm_engine.runner
+    if torch.cuda.is_available() and runner.mixed_graphs is not None:  # what the graphs hold beside the cache, weights
+        cache = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_cache)
+        graphs = runner.mixed_graphs
+        print(f"GPU memory after start-up: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, of which the KV "
+              f"cache {cache / 2**30:.2f} GiB; mixed graphs: {len(graphs.graphs)} whole, "
+              f"{len(getattr(graphs, 'plan_graphs', ()))} of a plan alone", flush=True)
     times = collections.defaultdict(list)
     # (the table lists them in this order: each step kind, then what it is made of)
     runner.decode_from_graphs = timed(times["decode_from_graphs (a whole decode step)"], runner.decode_from_graphs)
