@@ -15,7 +15,8 @@ anyway is captured then (that step runs the same code eagerly and uses its resul
 Steps with more than `max_tiles` prefill tiles (up to the largest bucket, `plan_tiles`) run their model without a
 graph (its launches are spread over thousands of tokens, and a whole graph per key would cost start-up seconds and
 memory), but their plan and metadata come from a small graph of their own (`plan_graphs`): built by eager launches,
-the metadata of an 8,192-token step cost 3.4-4.0 ms of host time on the H100 box (session 33), one replay costs ~15 µs.
+the metadata of an 8,192-token step cost 3.4-4.3 ms of host time on the H100 and H200 boxes, its graph's replay 35 µs
+(sessions 33-34).
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ class MixedGraphRunner:
         self.plan_graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
         self.planned: dict[MixedKey, tuple] = {}
         # The plan graphs' pool-wide page lists, per mask: one set at capacity, which every key's graph writes (a
-        # graph's outputs stay allocated while it lives; a set per key was ~2.6 GB at 31,000 pages)
+        # graph's outputs stay allocated while it lives: a set per key held ~2 GiB more at 31,000 pages, session 34)
         self.kept_lists: dict | None = None
         self.capture_seconds = 0.0
 
