@@ -47,9 +47,9 @@ class BlockTables:
         self.lens[row] = 0
         self.free_rows.append(row)
 
-    def gather(self, seqs: list, rows: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """(tables int32 [max(len(seqs), rows), the longest table's width], page counts [len(seqs)]) of `seqs`, or
-        None when one of them has no row here (warm-up and profiling dummies fill their lists themselves)."""
+    def gather(self, seqs: list, rows: int) -> np.ndarray | None:
+        """The tables of `seqs`, int32 [max(len(seqs), rows), the longest one's width], or None when one of them
+        has no row here (warm-up and profiling dummies fill their lists themselves)."""
         index = np.array(list(map(_table_row, seqs)), dtype=np.int64)
         if (index == NO_ROW).any():
             return None
@@ -57,7 +57,7 @@ class BlockTables:
         width = int(lens.max())
         tables = np.zeros((max(len(seqs), rows), width), dtype=np.int32)
         tables[: len(seqs)] = self.pages_RW[:, :width].take(index, axis=0)
-        return tables, lens
+        return tables
 
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
         old_rows, old_width = self.pages_RW.shape
@@ -82,7 +82,7 @@ def batch_tables(block_tables: BlockTables | None, seqs: list, rows: int = 0) ->
     the block manager's rows, or (dummy sequences, or no BlockTables) from their lists."""
     gathered = block_tables.gather(seqs, rows) if block_tables is not None else None
     if gathered is not None:
-        return gathered[0]
+        return gathered
     row, col, page, lens = table_entries(list(map(_block_table, seqs)))
     tables = np.zeros((max(len(seqs), rows), int(lens.max())), dtype=np.int32)
     tables[row, col] = page
