@@ -122,7 +122,6 @@ def test_static_buffer_mixed_step_matches_the_ordinary_step():
         keys.add(key)
     assert len(keys) < len(steps), "no step reused a key's buffers"
     assert any(k.num_tiles == 2 for k in keys), "no step took the plan-only path"
-
     assert not planned.fits(dataclasses.replace(key, num_tiles=4)), "a key past the plan's capacity"
     # a key past the device plan's capacity (split rows chosen again from the environment) runs without a graph
     assert not g.fits(dataclasses.replace(key, num_decode=g.capacity.decode_requests + 1))
