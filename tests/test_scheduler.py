@@ -5,7 +5,7 @@ token that depends only on the sequence and its length, so a preempted and recom
 end with exactly the tokens it would have had without preemption.
 """
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -247,3 +247,29 @@ def test_multi_step_needs_spare_pages_and_stops_short_of_max_model_len():
     a, b = decoding(sched, 5, "a"), decoding(sched, 5, "b")  # a page each, two free; 8 steps need 4 more
     batch = sched.schedule()
     assert batch.num_steps == 1 and batch.seqs == [a, b]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=1, max_size=20), st.integers(1, 12)), min_size=1,
+                max_size=10),
+       st.integers(6, 24), st.sampled_from([2, 4]), st.integers(3, 24), st.integers(1, 6), st.booleans())
+def test_the_decode_fast_path_schedules_what_the_general_path_does(requests, num_blocks, block_size, budget, max_seqs,
+                                                                   caching):
+    """Scheduler.decode_with_room's rows (a decode with room in its last page) skip the general path's chunk, prefill
+    room and page checks: every step, preemption and finish must come out the same with it turned off."""
+    runs = []
+    for fast in (True, False):
+        sim = Sim(num_blocks, block_size, max_seqs, budget, caching)
+        if not fast:
+            sim.sched.decode_with_room = lambda seq: False
+        for prompt, new in requests:
+            sim.add(prompt, new)
+        steps = []
+        for _ in range(400):
+            if not sim.sched.has_unfinished():
+                break
+            batch = sim.step()
+            steps.append(([s.request_id for s in batch.seqs], batch.num_new_tokens,
+                          [s.request_id for s in batch.preempted]))
+        runs.append((steps, sorted((s.request_id, s.token_ids) for s in sim.finished)))
+    assert runs[0] == runs[1]
