@@ -59,7 +59,7 @@ class ScheduledBatch:
     def put_prefills_first(self) -> None:
         """Reorder: chunks of more than one token first (each group keeps its order)."""
         if self.num_new_tokens.count(1) in (0, len(self.num_new_tokens)):
-            return  # (one group: most decode steps, whose sort by a key in Python cost ~200 µs at 256 requests)
+            return  # (one group, as in most decode steps: the sort by a Python key was ~5% of schedule at 256 rows)
         order = sorted(range(len(self.seqs)), key=lambda i: self.num_new_tokens[i] == 1)
         self.seqs = [self.seqs[i] for i in order]
         self.num_new_tokens = [self.num_new_tokens[i] for i in order]
