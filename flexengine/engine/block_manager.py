@@ -19,8 +19,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .block_tables import NO_ROW, BlockTables
-from .sequence import PENDING, Sequence
+from .block_tables import BlockTables
+from .sequence import NO_ROW, PENDING, Sequence
 
 BROKEN = -1  # chain_serial of a sequence whose hash chain hit a collision: cache none of its later pages
 

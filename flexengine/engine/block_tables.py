@@ -9,12 +9,10 @@ into an array; the gather takes ~25.
 from __future__ import annotations
 
 from itertools import chain
-from operator import attrgetter
 
 import numpy as np
 
-_table_row, _block_table = attrgetter("table_row"), attrgetter("block_table")
-NO_ROW = -1  # Sequence.table_row of a sequence that holds no pages (or whose pages were set by hand: dummies)
+from .sequence import NO_ROW, block_table_of, table_row_of
 
 
 class BlockTables:
@@ -50,7 +48,7 @@ class BlockTables:
     def gather(self, seqs: list, rows: int) -> np.ndarray | None:
         """The tables of `seqs`, int32 [max(len(seqs), rows), the longest one's width], or None when one of them
         has no row here (warm-up and profiling dummies fill their lists themselves)."""
-        index = np.array(list(map(_table_row, seqs)), dtype=np.int64)
+        index = np.array(list(map(table_row_of, seqs)), dtype=np.int64)
         if (index == NO_ROW).any():
             return None
         lens = self.lens[index]
@@ -83,7 +81,7 @@ def batch_tables(block_tables: BlockTables | None, seqs: list, rows: int = 0) ->
     gathered = block_tables.gather(seqs, rows) if block_tables is not None else None
     if gathered is not None:
         return gathered
-    row, col, page, lens = table_entries(list(map(_block_table, seqs)))
+    row, col, page, lens = table_entries(list(map(block_table_of, seqs)))
     tables = np.zeros((max(len(seqs), rows), int(lens.max())), dtype=np.int32)
     tables[row, col] = page
     return tables

@@ -10,18 +10,19 @@ appended since (vLLM keeps a persistent batch for the same reason).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter, is_not, itemgetter, lt, sub
+from operator import is_not, itemgetter, lt, sub
 
 import numpy as np
 
 from .block_tables import batch_tables
+from .sequence import block_table_of, token_ids_of
 
 
-_block_table, _token_ids, _last = attrgetter("block_table"), attrgetter("token_ids"), itemgetter(-1)
+_last = itemgetter(-1)
 
 
 def last_tokens(seqs) -> np.ndarray:
-    return np.array(list(map(_last, map(_token_ids, seqs))), dtype=np.int64)
+    return np.array(list(map(_last, map(token_ids_of, seqs))), dtype=np.int64)
 
 
 def pack_decode(seqs, block_size: int, columns: int = 0, block_tables=None) -> np.ndarray:
@@ -30,7 +31,7 @@ def pack_decode(seqs, block_size: int, columns: int = 0, block_tables=None) -> n
     columns past R are zeros. block_tables: the block manager's rows of the tables (engine/block_tables.py), else
     the sequences' lists are read."""
     P, R = block_size, len(seqs)
-    token_lists = list(map(_token_ids, seqs))  # (one map each: a generator's frame per request cost twice as much)
+    token_lists = list(map(token_ids_of, seqs))  # (one map each: a generator's frame per request cost twice as much)
     tables = batch_tables(block_tables, seqs)
     packed = np.zeros((4 + tables.shape[1], max(R, columns)), dtype=np.int64)
     packed[4:, :R] = tables.T
@@ -79,8 +80,8 @@ class DecodeTracker:
         # Plain lists, each made by one map in C: np.fromiter over the same maps took about twice as long (256
         # requests on the H100 box: 79 -> 43 us median, session 33), and most steps compare equal lists only.
         seqs = list(seqs)
-        tables = list(map(_block_table, seqs))
-        num_tokens = list(map(len, map(_token_ids, seqs)))
+        tables = list(map(block_table_of, seqs))
+        num_tokens = list(map(len, map(token_ids_of, seqs)))
         lens = list(map(len, tables))
         last, self.last = self.last, _Step(seqs, tables, lens, num_tokens)
         # (a Sequence compares by identity; `is_not` maps over the tables)

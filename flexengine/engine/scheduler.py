@@ -17,15 +17,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from operator import attrgetter, sub
+from operator import sub
 
 from .block_manager import BlockManager
 from .block_tables import BlockTables
 from .prompt_logprobs import wants_prompt_logprobs
-from .sequence import Sequence, SequenceStatus
-
-
-_token_ids, _num_computed = attrgetter("token_ids"), attrgetter("num_computed_tokens")
+from .sequence import Sequence, SequenceStatus, num_computed_of, token_ids_of
 
 
 def multi_step_ok(params) -> bool:
@@ -101,7 +98,7 @@ class Scheduler:
         batch = ScheduledBatch(block_tables=self.block_manager.tables)
         budget = self.max_num_batched_tokens
         self._workspace_left = self.workspace_tokens
-        uncomputed = list(map(sub, map(len, map(_token_ids, self.running)), map(_num_computed, self.running)))
+        uncomputed = list(map(sub, map(len, map(token_ids_of, self.running)), map(num_computed_of, self.running)))
         decodes = [s for s, u in zip(self.running, uncomputed) if u == 1]
         prefills = [s for s, u in zip(self.running, uncomputed) if u > 1]
         for seq in decodes + prefills:

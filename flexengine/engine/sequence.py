@@ -5,6 +5,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -23,6 +24,11 @@ _seq_ids = itertools.count()
 # A token sampled on the device but not yet read back (async scheduling): it holds its place in
 # token_ids, so scheduling and paging count it, and the next step reads its value on the device.
 PENDING = -1
+NO_ROW = -1  # Sequence.table_row of a sequence that holds no row of the block manager's BlockTables
+
+# Getters for maps over a batch's sequences (a map with one runs in C, with no Python frame per sequence)
+token_ids_of, num_computed_of = attrgetter("token_ids"), attrgetter("num_computed_tokens")
+block_table_of, table_row_of = attrgetter("block_table"), attrgetter("table_row")
 
 
 @dataclass(eq=False)
@@ -36,7 +42,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
-    table_row: int = -1                    # its row of the block manager's BlockTables while it holds pages
+    table_row: int = NO_ROW                # its row of the block manager's BlockTables while it holds pages
     num_computed_tokens: int = 0           # tokens whose K/V are in the cache
     num_cached_tokens: int = 0             # of those, how many came from the prefix cache at admission
     num_hashed_blocks: int = 0             # leading pages already walked by the prefix cache

@@ -9,17 +9,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from itertools import repeat
-from operator import add, attrgetter, getitem, sub
+from operator import add, getitem, sub
 
 import numpy as np
 
 from ..attention.layout import StepLayout, plan_layout
 from .block_tables import batch_tables
-from .decode_inputs import _token_ids
 from .scheduler import ScheduledBatch
-from .sequence import Sequence
-
-_num_computed_tokens = attrgetter("num_computed_tokens")
+from .sequence import Sequence, num_computed_of, token_ids_of
 
 
 @dataclass
@@ -45,11 +42,11 @@ def pack_lengths(batch: ScheduledBatch, min_rows: int = 0) -> PackedStep:
     # Every walk over the requests is one map in C, no Python frame per request: with the ids sliced from the prompts'
     # arrays and the tables gathered from the block manager's rows, those walks are most of what is left (~250 µs at
     # 256 requests on an H200 box's CPU, session 34)
-    starts = list(map(_num_computed_tokens, seqs))
+    starts = list(map(num_computed_of, seqs))
     stops = list(map(add, starts, batch.num_new_tokens))
     query_lens = np.array(batch.num_new_tokens, dtype=np.int64)
     seq_lens = np.array(stops, dtype=np.int64)
-    token_lists = list(map(_token_ids, seqs))
+    token_lists = list(map(token_ids_of, seqs))
     ends = np.cumsum(query_lens)
     # Each request's last scheduled token (a decode row's only one), then the longer chunks over them: slices of
     # the prompts' arrays (np.fromiter over the Python ints of 8,192 prompt tokens took 190 µs on the dev CPU)
