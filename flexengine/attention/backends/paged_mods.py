@@ -185,21 +185,23 @@ def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: boo
     return score
 
 
-def _pool_wide(idx_NM: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[N, M] page lists → a dense [N, num_blocks] table (zeros past column M).
+def _pool_wide(idx_NM: torch.Tensor, num_blocks: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, M] page lists → a dense [N, num_blocks] table (zeros past column M); in the leading rows of `out`
+    [>= N, num_blocks] when given.
 
     Flex requires the BlockMask to span the whole KV length (the pool), though a row is only read up
     to its count (<= M). An overlapping strided view would keep this O(batch): compiled flex on the
     H100 read every row but the first wrongly from one (docs/benchmarks.md), so the table is dense.
     """
     N, M = idx_NM.shape
-    out = idx_NM.new_zeros(N, num_blocks)
+    out = idx_NM.new_zeros(N, num_blocks) if out is None else out[:N].zero_()
     out[:, : min(M, num_blocks)] = idx_NM[:, :num_blocks]
     return out
 
 
 def _kept(out: dict | None, name, idx_NM: torch.Tensor) -> torch.Tensor:
-    """idx_NM itself, or copied into the leading rows of `out[name]` (a buffer that outlives the step)."""
+    """idx_NM itself, or copied into the leading rows of `out[name]` (a buffer that outlives the step): the decode
+    lists, which the compiled decode_lists widens to the pool itself."""
     if out is None:
         return idx_NM
     kept = out[name][: idx_NM.shape[0]]
@@ -236,8 +238,8 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
         kv_num, kv_idx, full_num, full_idx = tile_page_lists(meta, mask_mod, values, workspace_pages, q_tiles)
         Tb = kv_num.shape[0]  # q blocks: the last may hold fewer than q_tiles tiles
         pre = BlockMask.from_kv_blocks(
-            kv_num.view(1, 1, Tb), _kept(out, "prefill", _pool_wide(kv_idx, M)).view(1, 1, Tb, M),
-            full_num.view(1, 1, Tb), _kept(out, "prefill_full", _pool_wide(full_idx, M)).view(1, 1, Tb, M),
+            kv_num.view(1, 1, Tb), _pool_wide(kv_idx, M, out and out["prefill"]).view(1, 1, Tb, M),
+            full_num.view(1, 1, Tb), _pool_wide(full_idx, M, out and out["prefill_full"]).view(1, 1, Tb, M),
             BLOCK_SIZE=(q_tiles * Q_TILE, P),
             mask_mod=paged_mask(meta, mask_mod, False, direct=True), seq_lengths=(Tp * Q_TILE, M * P),
             compute_q_blocks=False)
