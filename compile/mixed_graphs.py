@@ -111,16 +111,21 @@ class MixedGraphRunner:
             decode_rows=max(b * choose_decode_splits(b, num_kv_heads, self.device) for b in buckets),
             tiles=self.plan_tiles, segments=segment_capacity(self.plan_tiles, rows),
             workspace_pages=graph_workspace_pages(self.plan_tiles, block_size, workspace_pages))
+        cap = self.plan_tiles * Q_TILE
         with torch.inference_mode():
             self.params = {name: torch.zeros(rows, dtype=dtype, device=self.device) for name, dtype in params.items()}
-            # query lengths [rows], sequence lengths [rows], then the token ids [tiles * Q_TILE]
-            self.inputs = torch.zeros(2 * rows + self.plan_tiles * Q_TILE, dtype=torch.int64, device=self.device)
-            # Block tables, shared by every key, column-major: a step copies only the columns its longest
-            # table needs (max_model_len-wide rows were 16 MB per key at 131,072 tokens). Columns past them
-            # hold an earlier step's pages, which nothing reads: page lists stop at a request's length and
-            # the page map masks the rest (attention/metadata.py). An inference tensor like the rest: with one
-            # column its row-major view is itself, and the masks' guards would tell it from the steps' tables.
-            self.tables_WR = torch.zeros(table_width * rows, dtype=torch.int32, device=self.device)
+            # Everything a step sends, in one buffer so that it goes in one copy (two staged copies cost 20-40 µs
+            # more of host time on the H100/H200 boxes' CPUs): the token ids right-aligned in [0, cap) (a key's ids
+            # end where the lengths begin, so its copy starts at its first id), query and sequence lengths [rows]
+            # each, then the block tables (int32, column-major: a step copies only the columns its longest table
+            # needs; max_model_len-wide rows were 16 MB per key at 131,072 tokens). Columns past them hold an earlier
+            # step's pages, which nothing reads: page lists stop at a request's length and the page map masks the
+            # rest (attention/metadata.py).
+            self.staged = torch.zeros(cap + 2 * rows + -(-table_width * rows // 2), dtype=torch.int64,
+                                      device=self.device)
+            self.lens = self.staged[cap:cap + 2 * rows]
+            self.tables_WR = self.staged[cap + 2 * rows:].view(torch.int32)[:table_width * rows]
+        self.key_inputs: dict[MixedKey, tuple[torch.Tensor, torch.Tensor]] = {}  # per key: its copy's start, its ids
         self.decode_shape: dict[MixedKey, torch.Tensor] = {}  # per key: its padded decode requests and their rows
         self.graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[MixedKey, torch.Tensor] = {}
@@ -150,7 +155,7 @@ class MixedGraphRunner:
     def plan(self, key: MixedKey):
         """The step's plan and metadata over the static buffers, on the device: → (ids, positions, metadata)."""
         rows = self.rows
-        query_lens, seq_lens, ids = self.inputs.split([rows, rows, self.capacity.tiles * Q_TILE])
+        query_lens, seq_lens = self.lens.split([rows, rows])
         tables = self.tables_WR.view(self.width, rows).t().clone(memory_format=torch.contiguous_format)  # (strides
         # as every step's tables: with one column, contiguous() kept the transposed view's)
         plan = (_compiled_plan() if self.device.type == "cuda" else plan_on_device)(
@@ -164,30 +169,41 @@ class MixedGraphRunner:
             meta.backend_state["kept_lists"] = self.kept_lists
         self.backend.prepare(meta, self.mods)
         # Fresh tensors (no storage offset), as the ordinary step passes them: no new compiled variant.
-        return ids[: key.num_tokens].clone(), v["positions"].clone(), meta
+        return self.inputs_of(key)[1].clone(), v["positions"].clone(), meta
 
     def forward(self, key: MixedKey) -> torch.Tensor:
         """The whole step over the static buffers: the plan and the metadata on the device, then the model."""
         return self.run_model(*self.plan(key))
 
+    def inputs_of(self, key: MixedKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the staged buffer from the key's first id on, which a step's one copy fills; its ids [num_tokens])."""
+        if key not in self.key_inputs:
+            first = self.plan_tiles * Q_TILE - key.num_tokens
+            self.key_inputs[key] = self.staged[first:], self.staged[first:first + key.num_tokens]
+        return self.key_inputs[key]
+
     @torch.inference_mode()
     def run(self, ids, query_lens, seq_lens, tables, key: MixedKey, params: dict[str, torch.Tensor],
             feed=None) -> torch.Tensor:
         """Hidden states [T, H] of one step that `fits` its key; captures the key's graph the first time.
-        query_lens, seq_lens: int64 and int32 [rows], 0 past the step's requests; tables [rows, <= width].
+        query_lens: int64 [R <= rows]; seq_lens: int32 [rows], 0 past the step's R requests; tables [rows, <= width].
         feed(input_ids): writes input ids known only on the device (async scheduling) into the buffer."""
         assert self.fits(key), key
         if key not in self.decode_shape:
             self.decode_shape[key] = torch.tensor([key.num_decode, key.splits], device=self.device)
-        n, rows = len(ids), self.rows
-        assert n <= key.num_tokens and len(query_lens) == len(seq_lens) == rows, (n, key, len(query_lens), rows)
-        packed = np.zeros(2 * rows + key.num_tokens, dtype=np.int64)  # zeros: the padding tokens' ids
-        packed[:rows], packed[rows:2 * rows], packed[2 * rows:2 * rows + n] = query_lens, seq_lens, ids
-        copy_into(packed, self.inputs, self.device)
-        assert tables.shape[0] == rows and tables.shape[1] <= self.width, (tables.shape, rows, self.width)
-        copy_into(np.ascontiguousarray(tables.T).ravel(), self.tables_WR, self.device)
+        n, t, rows, R, cols = len(ids), key.num_tokens, self.rows, len(query_lens), tables.shape[1]
+        assert n <= t and R <= rows == len(seq_lens) == tables.shape[0] and cols <= self.width, \
+            (n, key, R, len(seq_lens), tables.shape, rows, self.width)
+        # inputs_of(key)'s leading part: ids (zeros pad them: the padding tokens'), lengths, the tables' columns
+        packed = np.empty(t + 2 * rows + -(-cols * rows // 2), dtype=np.int64)
+        packed[:n], packed[n:t] = ids, 0
+        packed[t:t + R], packed[t + R:t + rows], packed[t + rows:t + 2 * rows] = query_lens, 0, seq_lens
+        words = 2 * (t + 2 * rows)
+        packed.view(np.int32)[words:words + cols * rows].reshape(cols, rows)[...] = tables.T
+        start, key_ids = self.inputs_of(key)
+        copy_into(packed, start, self.device)
         if feed is not None:
-            feed(self.inputs[2 * rows:2 * rows + key.num_tokens])
+            feed(key_ids)
         for name, buf in self.params.items():
             assert params[name].dtype == buf.dtype, (name, params[name].dtype, buf.dtype)
             buf.copy_(params[name][: self.rows])

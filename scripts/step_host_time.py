@@ -39,6 +39,7 @@ import torch
 
 from flexengine import LLM, SamplingParams
 from flexengine.benchmarks.common import random_prompts
+from flexengine.compile import mixed_graphs
 from flexengine.engine import in_flight, llm_engine, sampling_inputs, step_inputs
 from flexengine.engine.logits_adjust import LogitsAdjuster
 from flexengine.layers.sampler import Sampler
@@ -104,15 +105,35 @@ def main() -> None:
         graphs = runner.decode_graphs
         graphs.run = timed(times["    of which DecodeGraphRunner.run (staged, replayed)"], graphs.run)
         graphs.run_moved_on = timed(times["  of which DecodeGraphRunner.run_moved_on"], graphs.run_moved_on)
-    if torch.cuda.is_available():  # every graph's launch alone (decode and mixed): the floor of a replayed step's host time
-        torch.cuda.CUDAGraph.replay = timed(times["  CUDAGraph.replay (any graph's launch, inside the rows above)"],
-                                            torch.cuda.CUDAGraph.replay)
+    in_mixed = [False]  # (inside MixedGraphRunner.run: its replays and copies get rows of their own)
+    if torch.cuda.is_available():  # every graph's launch alone: the floor of a replayed step's host time
+        replay = torch.cuda.CUDAGraph.replay
+        decode_replays = times["  CUDAGraph.replay (a decode graph's launch, inside the rows above)"]
+
+        def timed_replay(graph):
+            start = time.perf_counter()
+            replay(graph)
+            (times["  of which CUDAGraph.replay (a mixed or plan graph's launch)"] if in_mixed[0] else
+             decode_replays).append((time.perf_counter() - start) * 1e6)
+        torch.cuda.CUDAGraph.replay = timed_replay
     runner.pack_lengths = timed(times["pack_lengths (steps with prompt tokens: ids, lengths, tables)"],
                                 runner.pack_lengths)
     if runner.mixed_graphs is not None:
         runner.graph_key = timed(times["then graph_key (the mixed graph's key, or none)"], runner.graph_key)
         mixed = runner.mixed_graphs
-        mixed.run = timed(times["then MixedGraphRunner.run (layout planned in the graph)"], mixed.run)
+        mixed_run = timed(times["then MixedGraphRunner.run (layout planned in the graph)"], mixed.run)
+
+        def flagged_run(*a, **k):
+            in_mixed[0] = True
+            try:
+                return mixed_run(*a, **k)
+            finally:
+                in_mixed[0] = False
+        mixed.run = flagged_run
+        mixed_graphs.copy_into = timed(times["  of which copy_into (its staged host-to-device copies)"],
+                                       mixed_graphs.copy_into)
+        runner.feed = timed(times["ModelRunner.feed (which rows wait on the step in flight; every kind of step)"],
+                            runner.feed)
         if hasattr(mixed, "planned_step"):  # (a base from before session 34 has no plan graphs)
             mixed.planned_step = timed(times["  of which planned_step (past 16 tiles: the plan and metadata's graph)"],
                                        mixed.planned_step)

@@ -204,9 +204,7 @@ class ModelRunner:
 
     def run_mixed_graph(self, p: PackedStep, key: MixedKey, seqs: list[Sequence], feed=None) -> torch.Tensor:
         """The hidden states of pack_lengths' step `p` from the mixed graph of `key` (graph_key)."""
-        query_lens = np.zeros(len(p.seq_lens), dtype=np.int64)  # as the other per-request arrays: every row
-        query_lens[: len(p.query_lens)] = p.query_lens
-        return self.mixed_graphs.run(p.ids, query_lens, p.seq_lens, p.tables, key,
+        return self.mixed_graphs.run(p.ids, p.query_lens, p.seq_lens, p.tables, key,
                                      self.attention_params(seqs, len(p.seq_lens)), feed=feed)
 
     def prepare_step(self, batch: ScheduledBatch, packed: PackedStep | None = None) -> StepInputs:
