@@ -7,6 +7,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import numpy as np
 import pytest
 
 from flexengine import LLM, SamplingParams
@@ -196,31 +197,42 @@ def test_steady_decode_path_changes_no_token(gpu_shaped_engines, monkeypatch):
     assert outs[True] == outs[False]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.data())
 def test_feed_gives_each_waiting_row_its_sample(data):
     """InFlightStep.feed: which rows of the next step take a sample of the step in flight, and which sample,
-    against a plain walk over the rows; the same batch in order is the leading rows, with no index at all."""
+    against a plain walk over the rows' pending counts; the same batch in order is the leading rows, with no index at
+    all. Sequences hold BlockTables rows, as the engine's do: one of the step's that finished since gave its row back,
+    and a new sequence may hold it now (with nothing pending); dummies without rows (warm-up) take the walk itself."""
     import types
 
     import torch
 
     from flexengine.engine.in_flight import InFlightStep
-    prev = [types.SimpleNamespace(seq_id=100 + i, num_pending=1) for i in range(data.draw(st.integers(1, 12)))]
+    from flexengine.engine.sequence import NO_ROW
+    free = data.draw(st.permutations(list(range(40))))
+    prev = [types.SimpleNamespace(seq_id=100 + i, num_pending=1, table_row=free.pop())
+            for i in range(data.draw(st.integers(1, 12)))]
     out = types.SimpleNamespace(token_ids=torch.arange(len(prev)) * 10 + 7)
     step = InFlightStep(None, prev, out, [], None, {s.seq_id: i for i, s in enumerate(prev)})
     assert step.feed(list(prev), None, "cpu")[0] is None  # a decode step of the same batch
-    # a changed batch: some of the sequences, in any order, some no longer waiting, and new ones
-    seqs = data.draw(st.permutations(prev)).copy()[: data.draw(st.integers(0, len(prev)))]
-    seqs += [types.SimpleNamespace(seq_id=1000 + i, num_pending=0) for i in range(data.draw(st.integers(0, 3)))]
-    seqs = data.draw(st.permutations(seqs))
+    # a changed batch: some of the sequences, in any order (the others finished: their rows are free again), and new
+    # ones, on free rows or on the finished ones' (or, for the dummies' case, on none)
+    kept = data.draw(st.permutations(prev))[: data.draw(st.integers(0, len(prev)))]
     for s in prev:
-        s.num_pending = data.draw(st.sampled_from([0, 1]))
+        if s not in kept:
+            free.append(s.table_row)
+            s.table_row, s.num_pending = NO_ROW, 0
+    dummies = data.draw(st.booleans())
+    new = [types.SimpleNamespace(seq_id=1000 + i, num_pending=0, table_row=NO_ROW if dummies else free.pop())
+           for i in range(data.draw(st.integers(0, 3)))]
+    seqs = data.draw(st.permutations(kept + new))
     last_rows = None if data.draw(st.booleans()) else sorted(data.draw(st.sets(st.integers(0, 50), min_size=len(seqs),
                                                                                 max_size=len(seqs))))
     rows_of = range(len(seqs)) if last_rows is None else last_rows
     want = [(row, prev.index(s) * 10 + 7) for s, row in zip(seqs, rows_of) if s.num_pending]
-    fed = step.feed(seqs, last_rows, "cpu")
+    given_rows = None if dummies or data.draw(st.booleans()) else np.array([s.table_row for s in seqs], dtype=np.int64)
+    fed = step.feed(seqs, last_rows, "cpu", given_rows)
     if not want:
         assert fed is None
     elif fed[0] is None:  # only when the batch is the step's own, in order, every row waiting

@@ -45,16 +45,18 @@ class BlockTables:
         self.lens[row] = 0
         self.free_rows.append(row)
 
-    def gather(self, seqs: list, rows: int) -> np.ndarray | None:
-        """The tables of `seqs`, int32 [max(len(seqs), rows), the longest one's width], or None when one of them
-        has no row here (warm-up and profiling dummies fill their lists themselves)."""
+    def rows_of(self, seqs: list) -> np.ndarray | None:
+        """Each sequence's row, int64 [len(seqs)], or None when one of them holds none here (warm-up and profiling
+        dummies fill their lists themselves)."""
         index = np.array(list(map(table_row_of, seqs)), dtype=np.int64)
-        if (index == NO_ROW).any():
-            return None
-        lens = self.lens[index]
-        width = int(lens.max())
-        tables = np.zeros((max(len(seqs), rows), width), dtype=np.int32)
-        tables[: len(seqs)] = self.pages_RW[:, :width].take(index, axis=0)
+        return None if (index == NO_ROW).any() else index
+
+    def gather(self, index: np.ndarray, rows: int) -> np.ndarray:
+        """The tables of the sequences in rows `index` (rows_of), int32 [max(len(index), rows), the longest one's
+        width]."""
+        width = int(self.lens[index].max())
+        tables = np.zeros((max(len(index), rows), width), dtype=np.int32)
+        tables[: len(index)] = self.pages_RW[:, :width].take(index, axis=0)
         return tables
 
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
@@ -75,12 +77,15 @@ def table_entries(tables: list[list[int]]):
     return row, col, np.array(list(chain.from_iterable(tables)), dtype=np.int64), lens
 
 
-def batch_tables(block_tables: BlockTables | None, seqs: list, rows: int = 0) -> np.ndarray:
+def batch_tables(block_tables: BlockTables | None, seqs: list, rows: int = 0, index: np.ndarray | None = None) \
+        -> np.ndarray:
     """The sequences' block tables, int32 [max(R, rows), the longest one's width], zeros past each: one gather from
-    the block manager's rows, or (dummy sequences, or no BlockTables) from their lists."""
-    gathered = block_tables.gather(seqs, rows) if block_tables is not None else None
-    if gathered is not None:
-        return gathered
+    the block manager's rows (`index`: their rows_of, when the caller has it), or (dummy sequences, or no BlockTables)
+    from their lists."""
+    if index is None and block_tables is not None:
+        index = block_tables.rows_of(seqs)
+    if index is not None:
+        return block_tables.gather(index, rows)
     row, col, page, lens = table_entries(list(map(block_table_of, seqs)))
     tables = np.zeros((max(len(seqs), rows), int(lens.max())), dtype=np.int32)
     tables[row, col] = page

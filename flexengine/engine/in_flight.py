@@ -18,7 +18,7 @@ from ..attention.staging import to_device
 from ..layers.sampler import SamplerOutput
 from .prompt_logprobs import PromptLogprobs
 from .scheduler import ScheduledBatch
-from .sequence import Sequence
+from .sequence import NO_ROW, Sequence, table_row_of
 
 
 _num_pending, _seq_id = attrgetter("num_pending"), attrgetter("seq_id")
@@ -73,24 +73,45 @@ class InFlightStep:
             at += count
         return spans
 
-    def feed(self, seqs: list[Sequence], last_rows, device) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    def feed(self, seqs: list[Sequence], last_rows, device, rows: np.ndarray | None = None) \
+            -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """(rows, token ids) on the device: the input rows (each sequence's last, at `last_rows`; None: row i is
         sequence i's, as in a decode step) whose token is this step's still-pending sample, and that sample; rows
         None: the leading rows, one per sample in order (a decode step of the same sequences, the usual case: no
-        transfer). None when no row waits on this step."""
+        transfer). None when no row waits on this step. rows: the sequences' BlockTables rows, when the caller has
+        them (step_inputs.PackedStep.table_rows)."""
         if seqs == self.seqs and all(map(_num_pending, seqs)) and \
                 (last_rows is None or np.array_equal(np.asarray(last_rows), np.arange(len(seqs)))):
             return None, self.out.token_ids
-        # (maps over the sequences, no Python frame per row: a changed decode batch of 256 took ~250 µs here)
-        waiting = np.flatnonzero(np.fromiter(map(_num_pending, seqs), dtype=np.int64, count=len(seqs)))
+        if rows is None:
+            rows = np.array(list(map(table_row_of, seqs)), dtype=np.int64)
+        if len(rows) and (rows == NO_ROW).any():  # (dummy sequences: warm-up, KV sizing)
+            waiting = np.flatnonzero(np.fromiter(map(_num_pending, seqs), dtype=np.int64, count=len(seqs)))
+            samples = np.fromiter(map(self.row_of.__getitem__, map(_seq_id, map(seqs.__getitem__, waiting.tolist()))),
+                                  dtype=np.int64, count=len(waiting))
+        else:
+            sample_of = self.samples_by_row(rows)
+            waiting = np.flatnonzero(sample_of >= 0)
+            samples = sample_of[waiting]
         if not len(waiting):
             return None
         index = np.empty((2, len(waiting)), dtype=np.int64)
         index[0] = waiting if last_rows is None else np.asarray(last_rows)[waiting]
-        index[1] = np.fromiter(map(self.row_of.__getitem__, map(_seq_id, map(seqs.__getitem__, waiting.tolist()))),
-                               dtype=np.int64, count=len(waiting))
+        index[1] = samples
         index = to_device(index, device)
         return index[0], self.out.token_ids.index_select(0, index[1])
+
+    def samples_by_row(self, rows: np.ndarray) -> np.ndarray:
+        """For each BlockTables row in `rows`, the row of out.token_ids its sequence waits on, or -1. A sequence holds
+        its row from admission until it finishes or is preempted, and one of this step's holds a pending token until
+        the step is read (it is not admitted again before), so a row held now by one of this step's sequences is
+        exactly one whose input is that sequence's sample: one map over this step's sequences, where walking the
+        next step's pending counts and ids took ~150 µs at 256 requests (H200 box, session 35)."""
+        mine = np.array(list(map(table_row_of, self.seqs)), dtype=np.int64)  # NO_ROW: finished or preempted since
+        held = np.flatnonzero(mine != NO_ROW)
+        sample_of = np.full(int(max(rows.max(initial=0), mine.max(initial=0))) + 1, -1, dtype=np.int64)
+        sample_of[mine[held]] = held
+        return sample_of[rows]
 
 
 def feed_inputs(input_ids: torch.Tensor, fed: tuple[torch.Tensor | None, torch.Tensor] | None) -> None:

@@ -343,11 +343,12 @@ class ModelRunner:
         key = self.graph_key(p, pad) if self.mixed_graphs is not None else None
         if key is not None:  # a step with prompt tokens, from a graph
             hidden = self.run_mixed_graph(p, key, batch.seqs,
-                                          feed=partial(feed_inputs, fed=self.feed(prev, batch.seqs, p.last_rows)))
+                                          feed=partial(feed_inputs, fed=self.feed(prev, batch.seqs, p.last_rows,
+                                                                                  p.table_rows)))
         else:
             p = self.plan_step(p, pad)
             inputs = self.prepare_step(batch, packed=p)
-            feed_inputs(inputs.input_ids, self.feed(prev, batch.seqs, p.last_rows))
+            feed_inputs(inputs.input_ids, self.feed(prev, batch.seqs, p.last_rows, p.table_rows))
             hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.meta)
         prompt = score_prompt_tokens(self.model.compute_logits, hidden, batch.seqs, batch.num_new_tokens,
                                      p.last_rows + 1 - np.asarray(batch.num_new_tokens), self.compiled)
@@ -355,12 +356,13 @@ class ModelRunner:
             return Forwarded([], None, prompt)
         return Forwarded(p.sample_seqs, self.model.compute_logits(hidden[self.to_device(p.sample_rows)]), prompt)
 
-    def feed(self, prev: InFlightStep | None, seqs: list[Sequence], last_rows):
-        """The rows of this step whose input is a PENDING sample of `prev`, with its values (on the device)."""
+    def feed(self, prev: InFlightStep | None, seqs: list[Sequence], last_rows, rows=None):
+        """The rows of this step whose input is a PENDING sample of `prev`, with its values (on the device); rows: the
+        sequences' BlockTables rows, when known."""
         if prev is None:
             assert not any(s.num_pending for s in seqs), "a PENDING token with no step in flight"
             return None
-        return prev.feed(seqs, last_rows, self.device)
+        return prev.feed(seqs, last_rows, self.device, rows)
 
     @torch.inference_mode()
     def execute_multi_step(self, batch: ScheduledBatch) -> torch.Tensor:

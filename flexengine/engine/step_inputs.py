@@ -29,6 +29,7 @@ class PackedStep:
     sample_seqs: list[Sequence]
     sample_rows: np.ndarray           # int64 [N]
     last_rows: np.ndarray             # int64 [R]: each sequence's last token in the packed batch
+    table_rows: np.ndarray | None     # int64 [R]: each sequence's BlockTables row (None: no rows, dummy sequences)
     positions: np.ndarray | None = None  # int64 [T], then padding (plan_step)
     slots: np.ndarray | None = None      # int64 [T], then padding
     layout: StepLayout | None = None
@@ -59,12 +60,14 @@ def pack_lengths(batch: ScheduledBatch, min_rows: int = 0) -> PackedStep:
     # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long contexts. The
     # device side widens it where a fixed shape needs that (ModelRunner.prepare_step).
     rows = max(R, min_rows)
-    tables = batch_tables(batch.block_tables, seqs, rows)
+    index = batch.block_tables.rows_of(seqs) if batch.block_tables is not None else None
+    tables = batch_tables(batch.block_tables, seqs, rows, index)
     padded_lens = np.zeros(rows, dtype=np.int32)
     padded_lens[:R] = seq_lens
     # A sequence gets a token when this step computes its last known token (its prompt is done).
     done = np.flatnonzero(seq_lens == np.array(list(map(len, token_lists)), dtype=np.int64))
-    return PackedStep(ids, query_lens, tables, padded_lens, [seqs[i] for i in done.tolist()], ends[done] - 1, ends - 1)
+    sample_seqs = list(seqs) if len(done) == R else list(map(seqs.__getitem__, done.tolist()))
+    return PackedStep(ids, query_lens, tables, padded_lens, sample_seqs, ends[done] - 1, ends - 1, index)
 
 
 def chunk_ids(seq: Sequence, start: int, stop: int) -> np.ndarray:
