@@ -25,14 +25,14 @@ def last_tokens(seqs) -> np.ndarray:
     return np.array(list(map(_last, map(token_ids_of, seqs))), dtype=np.int64)
 
 
-def pack_decode(seqs, block_size: int, columns: int = 0, block_tables=None) -> np.ndarray:
+def pack_decode(seqs, block_size: int, columns: int = 0, block_tables=None, rows=None) -> np.ndarray:
     """[4 + width, max(R, columns)] int64: ids, positions, slots, lengths, then the block tables transposed (a
     column per request, only as wide as the longest table; columns past a request's last page are never read);
     columns past R are zeros. block_tables: the block manager's rows of the tables (engine/block_tables.py), else
-    the sequences' lists are read."""
+    the sequences' lists are read (rows: the sequences' rows there, BlockTables.rows_of, when the caller has them)."""
     P, R = block_size, len(seqs)
     token_lists = list(map(token_ids_of, seqs))  # (one map each: a generator's frame per request cost twice as much)
-    tables = batch_tables(block_tables, seqs)
+    tables = batch_tables(block_tables, seqs, index=rows)
     packed = np.zeros((4 + tables.shape[1], max(R, columns)), dtype=np.int64)
     packed[4:, :R] = tables.T
     pos = np.array(list(map(len, token_lists)), dtype=np.int64) - 1

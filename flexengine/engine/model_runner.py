@@ -294,20 +294,24 @@ class ModelRunner:
         """{per-request parameter: its dtype}, sorted by name: what a CUDA graph's static buffers hold."""
         return {name: p.dtype for name, p in sorted(self.mod_params.items())}
 
-    def run_decode_graph(self, seqs: list[Sequence], feed=None, block_tables=None) -> torch.Tensor:
+    def run_decode_graph(self, seqs: list[Sequence], feed=None, block_tables=None, rows=None) -> torch.Tensor:
         """A whole decode batch from the decode graphs: ids, positions, slots, lengths and tables in ONE host→device
-        copy (decode_inputs.pack_decode), which the graph unpacks itself (cuda_graphs.take_inputs)."""
+        copy (decode_inputs.pack_decode), which the graph unpacks itself (cuda_graphs.take_inputs). rows: the
+        sequences' rows of `block_tables`, when the caller has them."""
         g = self.decode_graphs
-        packed = pack_decode(seqs, self.block_size, columns=g.bufs.max_bs, block_tables=block_tables)
+        packed = pack_decode(seqs, self.block_size, columns=g.bufs.max_bs, block_tables=block_tables, rows=rows)
         return g.run(packed, len(seqs), self.attention_params(seqs), feed=feed)
 
     def decode_from_graphs(self, seqs: list[Sequence], prev: InFlightStep | None, block_tables=None) -> torch.Tensor:
         """Logits of a pure decode step from the decode graphs; when the batch is the last one's moved on one
         token, only the ids and new pages go to the device (decode_inputs.py)."""
         moved = self.decode_tracker.next_step(seqs)
-        fed = self.feed(prev, seqs, None)  # (None: row i is sequence i's last token)
+        # a whole batch packed reads the sequences' table rows: found once, for the feed too
+        rows = block_tables.rows_of(seqs) if moved is None and block_tables is not None else None
+        fed = self.feed(prev, seqs, None, rows)  # (None: row i is sequence i's last token)
         if moved is None:
-            return self.run_decode_graph(seqs, feed=partial(feed_inputs, fed=fed), block_tables=block_tables)
+            return self.run_decode_graph(seqs, feed=partial(feed_inputs, fed=fed), block_tables=block_tables,
+                                         rows=rows)
         if fed is not None and fed[0] is None and len(fed[1]) == len(seqs):
             # every row's input is the last step's sample, on the device (async scheduling's steady state):
             # the buffers take it as it is, with no placeholder ids sent and overwritten
