@@ -37,7 +37,7 @@ class GraphKey:
     params: tuple[tuple[str, torch.dtype], ...]
 
 
-STILL, MOVE, FILL = 0, 1, 2  # what a decode graph's take_inputs does with its staged inputs (DecodeBuffers.inputs)
+STILL, MOVE, FILL, GATHER = 0, 1, 2, 3  # what a decode graph's take_inputs does with its staged inputs (DecodeBuffers.inputs)
 
 
 class DecodeBuffers:
@@ -52,10 +52,12 @@ class DecodeBuffers:
         self.params = {name: torch.zeros(max_bs, dtype=dtype, device=device) for name, dtype in params.items()}
         self.max_bs, self.scratch_slot = max_bs, scratch_slot
         # What the host sends a step, in one copy, read by the graph's first kernels (take_inputs): [mode, rows n,
-        # new pages k, max_bs (row, column, page) triples | the packed batch, pack_decode's [4 + width, max_bs]].
-        # STILL: the buffers as they are; MOVE: rows 0..n-1 move one token on, fed fed_ids, after the k new pages
-        # enter the tables; FILL: the packed batch replaces every row (rows past n: inert padding).
-        self.header = 3 + 3 * max_bs
+        # new pages k, max_bs (row, column, page) triples, max_bs source rows | the packed batch, pack_decode's
+        # [4 + width, max_bs]]. STILL: the buffers as they are; MOVE: rows 0..n-1 move one token on, fed fed_ids,
+        # after the k new pages enter the tables; GATHER: the same, row i taken from row src[i] of the last batch
+        # (rows that left are dropped, rows past n become inert padding); FILL: the packed batch replaces every row
+        # (rows past n: inert padding).
+        self.header = 3 + 4 * max_bs
         self.inputs = torch.zeros(self.header + (4 + width) * max_bs, dtype=torch.long, device=device)
         self.fed_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.held: tuple[int, int, int] | None = None  # the (mode, n, k) `inputs` holds, when a move wrote it
@@ -75,19 +77,29 @@ class DecodeBuffers:
         """The staged batch's input ids (a view), for ids known only on the device (async scheduling)."""
         return self.inputs[self.header:self.header + n]
 
-    def move_on_next(self, token_ids: torch.Tensor, new_pages: np.ndarray | None = None) -> None:
+    def move_on_next(self, token_ids: torch.Tensor, new_pages: np.ndarray | None = None,
+                     src: np.ndarray | None = None) -> None:
         """Make the next replay move rows 0..n-1 one token on, fed `token_ids` (the last step's samples, on the
-        device), after writing `new_pages` ([3, k]: row, column and page of each page appended since)."""
-        n, k = token_ids.shape[0], 0 if new_pages is None else new_pages.shape[1]
+        device), after writing `new_pages` ([3, k]: row, column and page of each page appended since). src: int64 [n],
+        row i's row in the last batch (whose samples `token_ids` are, one per row), where rows left or moved."""
+        n = token_ids.shape[0] if src is None else len(src)
+        k = 0 if new_pages is None else new_pages.shape[1]
         assert k <= n and (k == 0 or new_pages[1].min() > 0), (k, n)  # one page a row at most, never a first one
-        if self.held != (MOVE, n, 0) or k:  # (a steady batch with no new page sends nothing: the buffer holds it)
+        if src is not None:
+            moves = np.empty(3 + 3 * self.max_bs + n, dtype=np.int64)
+            moves[:3] = GATHER, n, k
+            moves[3:3 + 3 * k] = new_pages.T.ravel()
+            moves[3 + 3 * self.max_bs:] = src
+            copy_into(moves, self.inputs, self.inputs.device)
+            self.held = None
+        elif self.held != (MOVE, n, 0) or k:  # (a steady batch with no new page sends nothing: the buffer holds it)
             moves = np.empty(3 + 3 * k, dtype=np.int64)
             moves[:3] = MOVE, n, k
             if k:
                 moves[3:] = new_pages.T.ravel()
             copy_into(moves, self.inputs, self.inputs.device)
             self.held = (MOVE, n, k)
-        self.fed_ids[:n].copy_(token_ids)
+        self.fed_ids[:token_ids.shape[0]].copy_(token_ids)
 
 
 def take_inputs(inputs, fed_ids, input_ids, positions, seq_lens, block_tables, slot_mapping, block_size: int,
@@ -95,29 +107,37 @@ def take_inputs(inputs, fed_ids, input_ids, positions, seq_lens, block_tables, s
     """Inside the decode graph, before its metadata: the step's inputs from DecodeBuffers.inputs (its mode says how).
     input_ids, positions, slot_mapping: the bucket's rows; seq_lens, block_tables: every row."""
     bs, max_bs, width = input_ids.shape[0], seq_lens.shape[0], block_tables.shape[1]
-    header = 3 + 3 * max_bs
+    header = 3 + 4 * max_bs
     mode, n = inputs[0], inputs[1]
-    moving, filling = mode == MOVE, mode == FILL
+    gather = mode == GATHER
+    moving, filling = (mode == MOVE) | gather, mode == FILL
     # The bucket's rows are taken by index, never sliced [:bs]: a slice of the largest bucket (bs == max_bs, the first
     # one captured) guards on the sizes being equal, and every smaller bucket recompiled (TORCH_LOGS=recompiles on
     # the H100, session 29)
     rows, every = torch.arange(bs, device=inputs.device), torch.arange(max_bs, device=inputs.device)
     staged = inputs[header:].view(4 + width, max_bs)
     mine = staged.index_select(1, rows)  # the bucket's columns
-    entry = inputs[3:header].view(max_bs, 3)
+    entry = inputs[3:3 + 3 * max_bs].view(max_bs, 3)
+    # each row's row in the last batch: itself, but for GATHER (whose rows past the bucket are not in `positions`:
+    # a live row's next position is its last length instead, as every mode keeps seq_lens at position + 1)
+    src = torch.where(gather & (rows < n), inputs[3 + 3 * max_bs:header].index_select(0, rows), rows)
+    last_lens = seq_lens.index_select(0, src)
+    block_tables.index_copy_(0, rows, block_tables.index_select(0, src))
     new = moving & (every < inputs[2])
     # entries past k (an earlier step's) rewrite row 0's first page as it is: a new page is never a first one
     row, col = torch.where(new, entry[:, 0], 0), torch.where(new, entry[:, 1], 0)
     block_tables[row, col] = torch.where(new, entry[:, 2], block_tables[row, col].long()).int()
     tables = torch.where(filling, mine[4:].t().int(), block_tables.index_select(0, rows))
     block_tables.index_copy_(0, rows, tables)
-    seq_lens.copy_(torch.where(filling, staged[3].int(), seq_lens + (moving & (every < n)).int()))  # (n <= bs)
-    on = moving & (rows < n)
-    ids = torch.where(filling, mine[0], torch.where(on, fed_ids.index_select(0, rows), input_ids))
-    pos = torch.where(filling, mine[1], positions + on.long())
+    on = moving & (rows < n)  # (n <= bs)
+    moved_lens = torch.zeros_like(seq_lens).index_copy(0, rows, last_lens + 1)
+    kept = torch.where(gather, 0, seq_lens)  # rows past n: as they were, or inert padding after a GATHER
+    seq_lens.copy_(torch.where(filling, staged[3].int(), torch.where(moving & (every < n), moved_lens, kept)))
+    ids = torch.where(filling, mine[0], torch.where(on, fed_ids.index_select(0, src), input_ids))
+    pos = torch.where(filling, mine[1], torch.where(on, torch.where(gather, last_lens.long(), positions + 1), positions))
     page = tables.gather(1, (pos // block_size)[:, None]).squeeze(1)
     slot = torch.where(on, page.long() * block_size + pos % block_size, slot_mapping)
-    slot = torch.where(filling, torch.where(rows < n, mine[2], scratch_slot), slot)
+    slot = torch.where(filling | gather, torch.where(rows < n, torch.where(filling, mine[2], slot), scratch_slot), slot)
     input_ids.copy_(ids)
     positions.copy_(pos)
     slot_mapping.copy_(slot)
@@ -262,11 +282,13 @@ class DecodeGraphRunner:
         return self.replay(n)
 
     @torch.inference_mode()
-    def run_moved_on(self, token_ids: torch.Tensor, new_pages: np.ndarray) -> torch.Tensor:
+    def run_moved_on(self, token_ids: torch.Tensor, new_pages: np.ndarray, src: np.ndarray | None = None) \
+            -> torch.Tensor:
         """Logits of a decode step whose batch is the last run's, each row one token on: the graph moves its
-        buffers on itself, given the tokens and the pages appended since (new_pages [3, k]: row, column, page)."""
-        self.bufs.move_on_next(token_ids, new_pages)
-        return self.replay(token_ids.shape[0])
+        buffers on itself, given the tokens and the pages appended since (new_pages [3, k]: row, column, page).
+        src: each row's row in the last batch, where rows left or moved (token_ids then are the last batch's rows)."""
+        self.bufs.move_on_next(token_ids, new_pages, src)
+        return self.replay(token_ids.shape[0] if src is None else len(src))
 
     @torch.inference_mode()
     def run_next(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -177,7 +177,8 @@ def test_graph_shaped_engine_same_tokens_as_without(gpu_shaped_engines):
 
 def test_steady_decode_path_changes_no_token(gpu_shaped_engines, monkeypatch):
     """With async scheduling (pending tokens fed on the device), decode steps that only send their changes
-    (engine/decode_inputs.py) give the tokens of steps that pack the whole batch every time."""
+    (engine/decode_inputs.py), also where requests stopped (each row gathered from its place in the last batch, fed
+    the sample there), give the tokens of steps that pack the whole batch every time."""
     from flexengine.engine.decode_inputs import DecodeTracker
     from test_cuda_graphs import mixed_traffic
     prompts, params = mixed_traffic(n=10, max_len=60, max_tokens=30, temperature=0.8, top_k=20)
@@ -191,9 +192,10 @@ def test_steady_decode_path_changes_no_token(gpu_shaped_engines, monkeypatch):
         llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=64, async_scheduling=True)
         graphs = llm.llm_engine.runner.decode_graphs
         run_moved_on = graphs.run_moved_on
-        graphs.run_moved_on = lambda *a: moved.append(steady) or run_moved_on(*a)
+        graphs.run_moved_on = lambda *a: moved.append((steady, len(a) > 2 and a[2] is not None)) or run_moved_on(*a)
         outs[steady] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert moved and set(moved) == {True}  # the steady path ran, and only where it was on
+    assert moved and {s for s, _ in moved} == {True}  # the steady path ran, and only where it was on
+    assert any(gathered for _, gathered in moved), "no step gathered its rows after a request stopped"
     assert outs[True] == outs[False]
 
 

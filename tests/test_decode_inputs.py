@@ -29,6 +29,8 @@ def apply_on_device(packed: np.ndarray, moved, width: int) -> np.ndarray:
     """What run_moved_on makes the decode graph do to its buffers (cuda_graphs.move_on), in numpy."""
     out = np.zeros((4 + width, packed.shape[1]), dtype=np.int64)
     out[: packed.shape[0]] = packed
+    if moved.src is not None:  # the last batch's columns the rows come from (some left, the rest in any order)
+        out = out[:, moved.src]
     out[0] = moved.ids
     out[1] += 1
     out[3] += 1
@@ -51,6 +53,8 @@ def test_moved_on_reproduces_the_whole_pack(lengths, steps, data):
         for s in seqs:  # a page when the next position needs one, sometimes one early (as a look-ahead would)
             need = -(-(s.num_tokens + 1) // P) > len(s.block_table)
             step_on(s, next(next_page) if need or data.draw(st.integers(0, 9)) == 0 else None)
+        if len(seqs) > 1 and data.draw(st.integers(0, 3)) == 0:  # some requests left, the rest in any order
+            seqs = data.draw(st.permutations(seqs))[: data.draw(st.integers(1, len(seqs)))]
         moved = tracker.next_step(seqs)
         assert moved is not None
         whole = pack_decode(seqs, P)
@@ -64,10 +68,16 @@ def test_a_changed_batch_is_packed_whole():
     tracker = DecodeTracker()
     assert tracker.next_step([a, b]) is None
     step_on(a, None), step_on(b, None)
-    assert tracker.next_step([b, a]) is None  # another order (now held: b, a)
-    assert tracker.next_step([a]) is None  # a request left
+    assert tracker.next_step([b, a]).src.tolist() == [1, 0]  # another order: each row from its place (held: b, a)
+    step_on(a, None), step_on(b, None)
+    assert tracker.next_step([a]).src.tolist() == [1]  # a request left
     step_on(a, None)
-    assert tracker.next_step([a]) is not None
+    c = seq(4, [5])
+    assert tracker.next_step([a, c]) is None  # a request joined: packed whole
+    step_on(a, None), step_on(c, None)
+    assert tracker.next_step([a]).src.tolist() == [0]
+    step_on(a, None)
+    assert tracker.next_step([a]).src is None  # the same batch
     step_on(a, None), step_on(a, None)
     assert tracker.next_step([a]) is None  # two tokens on: the buffers are one behind
     step_on(a, None)

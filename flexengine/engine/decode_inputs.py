@@ -44,9 +44,12 @@ def pack_decode(seqs, block_size: int, columns: int = 0, block_tables=None, rows
 
 @dataclass
 class MovedOn:
-    """A decode step whose batch is the last one's, each request one token on."""
+    """A decode step whose batch is the last one's, each request one token on (some may have left, the rest may be
+    in another order: `src`)."""
     seqs: list
     new_pages: np.ndarray  # int64 [3, k]: row, table column and page of each page appended since
+    src: np.ndarray | None = None  # int64 [R]: each row's row in the last batch; None: its own (the same batch)
+    last_seqs: list | None = None  # the last batch (its sequences in its rows)
 
     @property
     def ids(self) -> np.ndarray:
@@ -74,9 +77,9 @@ class DecodeTracker:
         self.last = None
 
     def next_step(self, seqs) -> MovedOn | None:
-        """Record `seqs` as the batch the buffers hold after this step. Returns the step's changes when
-        `seqs` is the last step's batch, in order, each request one token further and its block table only
-        grown; else None (pack the whole batch)."""
+        """Record `seqs` as the batch the buffers hold after this step. Returns the step's changes when `seqs` is
+        the last step's batch, or some of it in any order (requests that finished left), each request one token
+        further and its block table only grown; else None (pack the whole batch)."""
         # Plain lists, each made by one map in C: np.fromiter over the same maps took about twice as long (256
         # requests on the H100 box: 79 -> 43 us median, session 33), and most steps compare equal lists only.
         seqs = list(seqs)
@@ -84,14 +87,29 @@ class DecodeTracker:
         num_tokens = list(map(len, map(token_ids_of, seqs)))
         lens = list(map(len, tables))
         last, self.last = self.last, _Step(seqs, tables, lens, num_tokens)
-        # (a Sequence compares by identity; `is_not` maps over the tables)
-        if last is None or seqs != last.seqs or any(map(is_not, tables, last.tables)):
+        if last is None:
+            return None
+        src = None
+        if seqs != last.seqs:  # (a Sequence compares by identity)
+            # In ragged traffic most decode steps are the last one less the requests that finished: each row then
+            # takes its place in the last batch along (the graph gathers its buffers' rows, cuda_graphs.take_inputs)
+            where = {id(s): i for i, s in enumerate(last.seqs)}
+            rows = list(map(where.get, map(id, seqs)))
+            if None in rows:
+                return None
+            src = np.array(rows, dtype=np.int64)
+            last = _Step(last.seqs, list(map(last.tables.__getitem__, rows)), list(map(last.lens.__getitem__, rows)),
+                         list(map(last.num_tokens.__getitem__, rows)))
+        # (`is_not` maps over the tables: a freed and allocated sequence has a new one)
+        if any(map(is_not, tables, last.tables)):
             return None
         if list(map(sub, num_tokens, last.num_tokens)).count(1) != len(seqs):
             return None
+        moved = MovedOn(seqs, np.zeros((3, 0), dtype=np.int64), src, last.seqs)
         if lens == last.lens:  # no page appended since (most steps)
-            return MovedOn(seqs, np.zeros((3, 0), dtype=np.int64))
+            return moved
         if any(map(lt, lens, last.lens)):
             return None
         new = [(i, j, tables[i][j]) for i, (n, m) in enumerate(zip(lens, last.lens)) if n != m for j in range(m, n)]
-        return MovedOn(seqs, np.asarray(new, dtype=np.int64).reshape(-1, 3).T.copy())
+        moved.new_pages = np.asarray(new, dtype=np.int64).reshape(-1, 3).T.copy()
+        return moved

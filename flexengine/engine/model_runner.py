@@ -38,7 +38,7 @@ from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_block
                         workspace_tokens_wanted)
 from .layer_mods import apply_mod_overrides, mod_params
 from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
-from .decode_inputs import DecodeTracker, pack_decode
+from .decode_inputs import DecodeTracker, MovedOn, pack_decode
 from .step_inputs import PackedStep, pack_lengths, plan_step
 from .sampling_inputs import SamplingInputs
 from .in_flight import InFlightStep, feed_inputs
@@ -306,6 +306,11 @@ class ModelRunner:
         """Logits of a pure decode step from the decode graphs; when the batch is the last one's moved on one
         token, only the ids and new pages go to the device (decode_inputs.py)."""
         moved = self.decode_tracker.next_step(seqs)
+        if moved is not None and moved.src is not None:  # the last batch less the requests that left
+            logits = self.run_gathered(moved, prev)
+            if logits is not None:
+                return logits
+            moved = None  # (the tracker holds `seqs`, which the whole pack below writes)
         # a whole batch packed reads the sequences' table rows: found once, for the feed too
         rows = block_tables.rows_of(seqs) if moved is None and block_tables is not None else None
         fed = self.feed(prev, seqs, None, rows)  # (None: row i is sequence i's last token)
@@ -319,6 +324,22 @@ class ModelRunner:
         ids = self.to_device(moved.ids)
         feed_inputs(ids, fed)
         return self.decode_graphs.run_moved_on(ids, moved.new_pages)
+
+    def run_gathered(self, moved: MovedOn, prev: InFlightStep | None) -> torch.Tensor | None:
+        """Logits of a decode step whose batch is the last one's with some requests gone (or in another order): the
+        graph takes each row from its place in the last batch, fed the last step's sample there (or, with no step
+        in flight, the ids sent). None where it cannot: per-request mod parameters (their buffers are not gathered),
+        or a step in flight that is not the last batch's."""
+        graphs = self.decode_graphs
+        if graphs.bufs.params:
+            return None
+        if prev is None:
+            ids = np.zeros(len(moved.last_seqs), dtype=np.int64)
+            ids[moved.src] = moved.ids
+            return graphs.run_moved_on(self.to_device(ids), moved.new_pages, moved.src)
+        if prev.seqs != moved.last_seqs:  # (each of those sequences waits on its row's sample)
+            return None
+        return graphs.run_moved_on(prev.out.token_ids, moved.new_pages, moved.src)
 
     def decode_with_graphs(self, batch: ScheduledBatch) -> bool:
         g = self.decode_graphs
