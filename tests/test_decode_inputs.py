@@ -13,9 +13,12 @@ from flexengine.engine.decode_inputs import DecodeTracker, pack_decode
 P = 4
 
 
+class FakeSeq(types.SimpleNamespace):
+    __eq__, __hash__ = object.__eq__, object.__hash__  # by identity, as a Sequence
+
+
 def seq(num_tokens: int, pages: list[int]):
-    return types.SimpleNamespace(token_ids=list(range(100, 100 + num_tokens)), block_table=pages,
-                                 num_tokens=num_tokens)
+    return FakeSeq(token_ids=list(range(100, 100 + num_tokens)), block_table=pages, num_tokens=num_tokens)
 
 
 def step_on(s, new_page: int | None) -> None:

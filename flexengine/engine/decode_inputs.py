@@ -93,13 +93,13 @@ class DecodeTracker:
         if seqs != last.seqs:  # (a Sequence compares by identity)
             # In ragged traffic most decode steps are the last one less the requests that finished: each row then
             # takes its place in the last batch along (the graph gathers its buffers' rows, cuda_graphs.take_inputs)
-            where = {id(s): i for i, s in enumerate(last.seqs)}
-            rows = list(map(where.get, map(id, seqs)))
+            where = dict(zip(last.seqs, range(len(last.seqs))))  # (a Sequence hashes by identity)
+            rows = list(map(where.get, seqs))
             if None in rows:
                 return None
             src = np.array(rows, dtype=np.int64)
-            last = _Step(last.seqs, list(map(last.tables.__getitem__, rows)), list(map(last.lens.__getitem__, rows)),
-                         list(map(last.num_tokens.__getitem__, rows)))
+            pick = itemgetter(*rows) if len(rows) > 1 else lambda items: (items[rows[0]],)
+            last = _Step(last.seqs, list(pick(last.tables)), list(pick(last.lens)), list(pick(last.num_tokens)))
         # (`is_not` maps over the tables: a freed and allocated sequence has a new one)
         if any(map(is_not, tables, last.tables)):
             return None
