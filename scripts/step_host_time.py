@@ -10,8 +10,11 @@ scheduled batch into device inputs (medians and p90 over the steps of each kind,
   copy that the graph unpacks, then the replay) or, in the steady state, `DecodeGraphRunner.run_moved_on`
   (the ids and new pages; the graph moves its buffers on, then the replay);
 - steps with prompt tokens: `pack_lengths` (ids, each request's lengths, the block tables), then from a mixed
-  graph `graph_key` and `MixedGraphRunner.run` (one packed copy of ids and lengths, the tables, the replay: the
-  layout, positions, slots and metadata are planned inside the graph, attention/device_plan.py);
+  graph `graph_key` and `MixedGraphRunner.run` (one staged copy of ids, lengths and tables, then the replay: the
+  layout, positions, slots and metadata are planned inside the graph, attention/device_plan.py; its copies and its
+  replays have rows of their own);
+- `ModelRunner.feed`, every step's: which input rows take a pending sample of the step in flight (async scheduling;
+  a decode step whose rows the graph gathers, or the same batch moved on, needs none);
   (past 16 prefill tiles the graph holds the plan and metadata alone, and the model runs eagerly after it);
 - or, where no graph serves (warm-up, 16-token pages over a long context): `plan_step` (positions, slots and
   `plan_layout` on the host) and `prepare_step`, whose metadata is built by eager launches.
