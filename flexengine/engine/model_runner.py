@@ -304,7 +304,8 @@ class ModelRunner:
 
     def decode_from_graphs(self, seqs: list[Sequence], prev: InFlightStep | None, block_tables=None) -> torch.Tensor:
         """Logits of a pure decode step from the decode graphs; when the batch is the last one's moved on one
-        token, only the ids and new pages go to the device (decode_inputs.py)."""
+        token (or that less the requests that left: run_gathered), only the ids and new pages go to the device
+        (decode_inputs.py)."""
         moved = self.decode_tracker.next_step(seqs)
         if moved is not None and moved.src is not None:  # the last batch less the requests that left
             logits = self.run_gathered(moved, prev)
