@@ -82,3 +82,13 @@ def test_pack_decode_from_the_rows_equals_the_lists(reqs, columns, data):
         s.block_table += list(range(200, 200 + -(-s.num_tokens // P) - len(s.block_table)))
     tables = in_rows(seqs, data)
     np.testing.assert_array_equal(pack_decode(seqs, P, columns, block_tables=tables), pack_decode(seqs, P, columns))
+
+
+def test_host_pack_probe_runs():
+    """scripts/host_pack_probe.py (the dev-CPU A/B of these host functions): its four rows, on a small batch."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "scripts/host_pack_probe.py", "--requests", "12", "--chunks", "2",
+                          "--chunk-len", "40", "--repeat", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert len([line for line in run.stdout.splitlines() if line.startswith("| ") and "µs |" not in line]) == 4

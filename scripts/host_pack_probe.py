@@ -1,0 +1,98 @@
+"""The host functions of a step at 256 requests, on synthetic batches, with no GPU and no model (issue 15, item 3):
+what `pack_lengths`, the feed of pending samples and the decode tracker cost on this machine's CPU.
+
+    python3 scripts/host_pack_probe.py [--requests 256 --chunks 6 --chunk-len 256 --repeat 7]
+
+The GPU boxes' CPUs drift within a call (docs/benchmarks.md, sessions 34-35), so a change to these functions is best
+compared here first, in one process: run the script on both trees one after the other, twice. Rows (best of
+`--repeat` rounds of 300 calls, µs):
+- pack_lengths of a mixed step: `--chunks` prompt chunks of `--chunk-len` tokens, the other requests decoding;
+- feed of that step (every decode row waits on the step in flight), given the rows as pack_lengths found them;
+- DecodeTracker.next_step of a decode batch one token on: the same batch, and the batch less one request (gathered).
+"""
+from __future__ import annotations
+
+import argparse
+import timeit
+import types
+
+import numpy as np
+import torch
+
+from flexengine.engine.block_tables import BlockTables
+from flexengine.engine.decode_inputs import DecodeTracker
+from flexengine.engine.in_flight import InFlightStep
+from flexengine.engine.scheduler import ScheduledBatch
+from flexengine.engine.sequence import Sequence
+from flexengine.engine.step_inputs import pack_lengths
+
+PAGE = 128
+
+
+def make_batch(requests: int, chunks: int, chunk_len: int, seed: int = 0):
+    """(decoding sequences, prompt-chunk sequences, BlockTables holding all of their pages)."""
+    rng = np.random.default_rng(seed)
+    tables, page = BlockTables(rows=requests + 8, width=8), 0
+    decoding, prefilling = [], []
+    for i in range(requests):
+        chunk = i >= requests - chunks
+        prompt = rng.integers(0, 30000, chunk_len if chunk else int(rng.integers(100, 300))).tolist()
+        out = [] if chunk else rng.integers(0, 30000, int(rng.integers(1, 30))).tolist()
+        s = Sequence(request_id=str(i), index=0, token_ids=prompt + out, num_prompt_tokens=len(prompt), params=None)
+        s.prompt_array = np.array(prompt, dtype=np.int64)
+        s.num_computed_tokens = 0 if chunk else s.num_tokens - 1
+        new = chunk_len if chunk else 1
+        s.block_table = list(range(page, page + -(-(s.num_computed_tokens + new) // PAGE)))
+        page += len(s.block_table)
+        tables.extend(s, s.block_table)
+        (prefilling if chunk else decoding).append(s)
+    return decoding, prefilling, tables
+
+
+def best(fn, repeat: int, number: int = 300) -> float:
+    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--chunks", type=int, default=6, help="of the requests, how many prefill a chunk")
+    p.add_argument("--chunk-len", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=7)
+    args = p.parse_args()
+    decoding, prefilling, tables = make_batch(args.requests, args.chunks, args.chunk_len)
+    seqs = prefilling + decoding  # (the scheduler puts chunks first)
+    batch = ScheduledBatch(seqs, [args.chunk_len] * len(prefilling) + [1] * len(decoding), block_tables=tables)
+    packed = pack_lengths(batch, args.requests)
+    # the step in flight sampled every decoding request, in its own order
+    out = types.SimpleNamespace(token_ids=torch.arange(len(decoding)))
+    prev = InFlightStep(None, decoding, out, [], None, {s.seq_id: i for i, s in enumerate(decoding)})
+    for s in decoding:
+        s.num_pending = 1
+
+    def tracked(step_seqs):
+        tracker = DecodeTracker()
+        tracker.next_step(decoding)
+        for s in decoding:
+            s.token_ids.append(1)
+        try:
+            return tracker.next_step(step_seqs)
+        finally:
+            for s in decoding:
+                s.token_ids.pop()
+
+    assert tracked(decoding) is not None and tracked(decoding[1:]).src is not None
+    rows = [("pack_lengths (a mixed step)", lambda: pack_lengths(batch, args.requests)),
+            ("feed (rows from pack_lengths)", lambda: prev.feed(seqs, packed.last_rows, "cpu", packed.table_rows)),
+            ("DecodeTracker: record, then the same batch one on", lambda: tracked(decoding)),
+            ("DecodeTracker: record, then one request fewer (gathered)", lambda: tracked(decoding[1:]))]
+    print(f"# {args.requests} requests ({args.chunks} prompt chunks of {args.chunk_len}), torch {torch.__version__}; "
+          f"best of {args.repeat} x 300 calls, µs")
+    print("| host function | µs |")
+    print("|---|---|")
+    for name, fn in rows:
+        print(f"| {name} | {best(fn, args.repeat):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
