@@ -85,20 +85,17 @@ class DecodeBuffers:
         n = token_ids.shape[0] if src is None else len(src)
         k = 0 if new_pages is None else new_pages.shape[1]
         assert k <= n and (k == 0 or new_pages[1].min() > 0), (k, n)  # one page a row at most, never a first one
-        if src is not None:
-            moves = np.empty(3 + 3 * self.max_bs + n, dtype=np.int64)
-            moves[:3] = GATHER, n, k
-            moves[3:3 + 3 * k] = new_pages.T.ravel()
-            moves[3 + 3 * self.max_bs:] = src
-            copy_into(moves, self.inputs, self.inputs.device)
-            self.held = None
-        elif self.held != (MOVE, n, 0) or k:  # (a steady batch with no new page sends nothing: the buffer holds it)
-            moves = np.empty(3 + 3 * k, dtype=np.int64)
-            moves[:3] = MOVE, n, k
+        # (a steady batch with no new page sends nothing: the buffer holds its header)
+        if src is not None or self.held != (MOVE, n, 0) or k:
+            mode = MOVE if src is None else GATHER
+            moves = np.empty(3 + 3 * k if src is None else 3 + 3 * self.max_bs + n, dtype=np.int64)
+            moves[:3] = mode, n, k
             if k:
-                moves[3:] = new_pages.T.ravel()
+                moves[3:3 + 3 * k] = new_pages.T.ravel()
+            if src is not None:
+                moves[3 + 3 * self.max_bs:] = src
             copy_into(moves, self.inputs, self.inputs.device)
-            self.held = (MOVE, n, k)
+            self.held = (mode, n, k)
         self.fed_ids[:token_ids.shape[0]].copy_(token_ids)
 
 

@@ -45,14 +45,8 @@ class BlockTables:
         self.lens[row] = 0
         self.free_rows.append(row)
 
-    def rows_of(self, seqs: list) -> np.ndarray | None:
-        """Each sequence's row, int64 [len(seqs)], or None when one of them holds none here (warm-up and profiling
-        dummies fill their lists themselves)."""
-        index = np.array(list(map(table_row_of, seqs)), dtype=np.int64)
-        return None if (index == NO_ROW).any() else index
-
     def gather(self, index: np.ndarray, rows: int) -> np.ndarray:
-        """The tables of the sequences in rows `index` (rows_of), int32 [max(len(index), rows), the longest one's
+        """The tables of the sequences in rows `index` (table_rows), int32 [max(len(index), rows), the longest one's
         width]."""
         width = int(self.lens[index].max())
         tables = np.zeros((max(len(index), rows), width), dtype=np.int32)
@@ -69,6 +63,13 @@ class BlockTables:
         self.free_rows = list(range(rows - 1, old_rows - 1, -1)) + self.free_rows
 
 
+def table_rows(seqs: list) -> np.ndarray | None:
+    """Each sequence's BlockTables row, int64 [len(seqs)], or None when one of them holds none (warm-up and profiling
+    dummies fill their lists themselves)."""
+    index = np.array(list(map(table_row_of, seqs)), dtype=np.int64)
+    return None if (index == NO_ROW).any() else index
+
+
 def table_entries(tables: list[list[int]]):
     """Every page of every block table at once: (row, column, page) flat, and each table's length."""
     lens = np.array(list(map(len, tables)), dtype=np.int64)
@@ -80,10 +81,10 @@ def table_entries(tables: list[list[int]]):
 def batch_tables(block_tables: BlockTables | None, seqs: list, rows: int = 0, index: np.ndarray | None = None) \
         -> np.ndarray:
     """The sequences' block tables, int32 [max(R, rows), the longest one's width], zeros past each: one gather from
-    the block manager's rows (`index`: their rows_of, when the caller has it), or (dummy sequences, or no BlockTables)
-    from their lists."""
+    the block manager's rows (`index`: their table_rows, when the caller has them), or (dummy sequences, or no
+    BlockTables) from their lists."""
     if index is None and block_tables is not None:
-        index = block_tables.rows_of(seqs)
+        index = table_rows(seqs)
     if index is not None:
         return block_tables.gather(index, rows)
     row, col, page, lens = table_entries(list(map(block_table_of, seqs)))

@@ -29,7 +29,7 @@ def pack_decode(seqs, block_size: int, columns: int = 0, block_tables=None, rows
     """[4 + width, max(R, columns)] int64: ids, positions, slots, lengths, then the block tables transposed (a
     column per request, only as wide as the longest table; columns past a request's last page are never read);
     columns past R are zeros. block_tables: the block manager's rows of the tables (engine/block_tables.py), else
-    the sequences' lists are read (rows: the sequences' rows there, BlockTables.rows_of, when the caller has them)."""
+    the sequences' lists are read (rows: the sequences' rows there, block_tables.table_rows, when the caller has them)."""
     P, R = block_size, len(seqs)
     token_lists = list(map(token_ids_of, seqs))  # (one map each: a generator's frame per request cost twice as much)
     tables = batch_tables(block_tables, seqs, index=rows)

@@ -17,6 +17,7 @@ import torch
 from ..attention.staging import to_device
 from ..layers.sampler import SamplerOutput
 from .prompt_logprobs import PromptLogprobs
+from .block_tables import table_rows
 from .scheduler import ScheduledBatch
 from .sequence import NO_ROW, Sequence, table_row_of
 
@@ -84,8 +85,8 @@ class InFlightStep:
                 (last_rows is None or np.array_equal(np.asarray(last_rows), np.arange(len(seqs)))):
             return None, self.out.token_ids
         if rows is None:
-            rows = np.array(list(map(table_row_of, seqs)), dtype=np.int64)
-        if len(rows) and (rows == NO_ROW).any():  # (dummy sequences: warm-up, KV sizing)
+            rows = table_rows(seqs)
+        if rows is None:  # (dummy sequences, with no rows: warm-up, KV sizing)
             waiting = np.flatnonzero(np.fromiter(map(_num_pending, seqs), dtype=np.int64, count=len(seqs)))
             samples = np.fromiter(map(self.row_of.__getitem__, map(_seq_id, map(seqs.__getitem__, waiting.tolist()))),
                                   dtype=np.int64, count=len(waiting))

@@ -38,6 +38,7 @@ from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_block
                         workspace_tokens_wanted)
 from .layer_mods import apply_mod_overrides, mod_params
 from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
+from .block_tables import table_rows
 from .decode_inputs import DecodeTracker, MovedOn, pack_decode
 from .step_inputs import PackedStep, pack_lengths, plan_step
 from .sampling_inputs import SamplingInputs
@@ -313,7 +314,7 @@ class ModelRunner:
                 return logits
             moved = None  # (the tracker holds `seqs`, which the whole pack below writes)
         # a whole batch packed reads the sequences' table rows: found once, for the feed too
-        rows = block_tables.rows_of(seqs) if moved is None and block_tables is not None else None
+        rows = table_rows(seqs) if moved is None and block_tables is not None else None
         fed = self.feed(prev, seqs, None, rows)  # (None: row i is sequence i's last token)
         if moved is None:
             return self.run_decode_graph(seqs, feed=partial(feed_inputs, fed=fed), block_tables=block_tables,

@@ -167,9 +167,9 @@ class Scheduler:
         return computed == len(seq.token_ids) - 1 and computed < len(seq.block_table) * self.block_manager.block_size
 
     def at_limit(self, seq: Sequence) -> bool:
-        """Whether `seq` has all the tokens it may have, counting PENDING ones (async scheduling: it
-        finishes once they are read back, so it needs no more steps). Never true without pending tokens."""
-        return bool(seq.num_pending) and seq.reaches_length_limit(seq.num_tokens, self.max_model_len)
+        """Whether `seq`, which holds PENDING tokens, has all the tokens it may have counting them (async scheduling:
+        it finishes once they are read back, so it needs no more steps). `schedule` asks only for such sequences."""
+        return seq.reaches_length_limit(seq.num_tokens, self.max_model_len)
 
     def chunk(self, remaining: int, budget: int) -> int:
         """Tokens to compute now of the `remaining` uncomputed ones: all if the budget allows, else the

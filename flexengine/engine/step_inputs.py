@@ -14,7 +14,7 @@ from operator import add, getitem, sub
 import numpy as np
 
 from ..attention.layout import StepLayout, plan_layout
-from .block_tables import batch_tables
+from .block_tables import batch_tables, table_rows
 from .scheduler import ScheduledBatch
 from .sequence import Sequence, num_computed_of, token_ids_of
 
@@ -60,7 +60,7 @@ def pack_lengths(batch: ScheduledBatch, min_rows: int = 0) -> PackedStep:
     # Only as wide as the longest table: a max_model_len-wide one is megabytes per step at long contexts. The
     # device side widens it where a fixed shape needs that (ModelRunner.prepare_step).
     rows = max(R, min_rows)
-    index = batch.block_tables.rows_of(seqs) if batch.block_tables is not None else None
+    index = table_rows(seqs) if batch.block_tables is not None else None
     tables = batch_tables(batch.block_tables, seqs, rows, index)
     padded_lens = np.zeros(rows, dtype=np.int32)
     padded_lens[:R] = seq_lens
