@@ -7,7 +7,8 @@ A step is three functions named for what they do:
   run_model(input_ids, positions, meta) -> hidden   the only call the compile layer needs to wrap
   sample(forwarded, sampling_inputs(forwarded, prev)) -> tokens   logits only for rows that need a token
 `execute` is the three in a row; the engine calls `forward` and `sample` apart when a grammar's masks need
-the step before's tokens (LLMEngine._grammar_step).
+the step before's tokens (LLMEngine._grammar_step). A pure decode step runs from the decode CUDA graphs instead
+(decode_steps.py).
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ from .kv_sizing import (bytes_per_block, choose_max_model_len, measure_num_block
                         workspace_tokens_wanted)
 from .layer_mods import apply_mod_overrides, mod_params
 from .prompt_logprobs import PromptLogprobs, score_prompt_tokens
-from .block_tables import table_rows
-from .decode_inputs import DecodeTracker, MovedOn, pack_decode
+from .decode_inputs import DecodeTracker
+from .decode_steps import DecodeGraphSteps
 from .step_inputs import PackedStep, pack_lengths, plan_step
 from .sampling_inputs import SamplingInputs
 from .in_flight import InFlightStep, feed_inputs
@@ -76,7 +77,7 @@ class Forwarded:
     prompt: PromptLogprobs | None  # the prompt logprobs of the sequences that ask
 
 
-class ModelRunner:
+class ModelRunner(DecodeGraphSteps):
     def __init__(self, config: EngineConfig):
         from ..models.loader import load_model  # the model side; imported here so the engine imports stay light
 
@@ -279,7 +280,7 @@ class ModelRunner:
             return [], None, fwd.prompt
         return fwd.seqs, self.sampler(fwd.logits, tensors), fwd.prompt
 
-    # ---------------------------------------------------------------- CUDA graphs for decode
+    # ---------------------------------------------------------------- what the CUDA graphs use
     def forward_logits(self, input_ids, positions, meta) -> torch.Tensor:
         return self.model.compute_logits(self.run_model(input_ids, positions, meta))
 
@@ -294,60 +295,6 @@ class ModelRunner:
     def param_dtypes(self) -> dict[str, torch.dtype]:
         """{per-request parameter: its dtype}, sorted by name: what a CUDA graph's static buffers hold."""
         return {name: p.dtype for name, p in sorted(self.mod_params.items())}
-
-    def run_decode_graph(self, seqs: list[Sequence], feed=None, block_tables=None, rows=None) -> torch.Tensor:
-        """A whole decode batch from the decode graphs: ids, positions, slots, lengths and tables in ONE host→device
-        copy (decode_inputs.pack_decode), which the graph unpacks itself (cuda_graphs.take_inputs). rows: the
-        sequences' rows of `block_tables`, when the caller has them."""
-        g = self.decode_graphs
-        packed = pack_decode(seqs, self.block_size, columns=g.bufs.max_bs, block_tables=block_tables, rows=rows)
-        return g.run(packed, len(seqs), self.attention_params(seqs), feed=feed)
-
-    def decode_from_graphs(self, seqs: list[Sequence], prev: InFlightStep | None, block_tables=None) -> torch.Tensor:
-        """Logits of a pure decode step from the decode graphs; when the batch is the last one's moved on one
-        token (or that less the requests that left: run_gathered), only the ids and new pages go to the device
-        (decode_inputs.py)."""
-        moved = self.decode_tracker.next_step(seqs)
-        if moved is not None and moved.src is not None:  # the last batch less the requests that left
-            logits = self.run_gathered(moved, prev)
-            if logits is not None:
-                return logits
-            moved = None  # (the tracker holds `seqs`, which the whole pack below writes)
-        # a whole batch packed reads the sequences' table rows: found once, for the feed too
-        rows = table_rows(seqs) if moved is None and block_tables is not None else None
-        fed = self.feed(prev, seqs, None, rows)  # (None: row i is sequence i's last token)
-        if moved is None:
-            return self.run_decode_graph(seqs, feed=partial(feed_inputs, fed=fed), block_tables=block_tables,
-                                         rows=rows)
-        if fed is not None and fed[0] is None and len(fed[1]) == len(seqs):
-            # every row's input is the last step's sample, on the device (async scheduling's steady state):
-            # the buffers take it as it is, with no placeholder ids sent and overwritten
-            return self.decode_graphs.run_moved_on(fed[1], moved.new_pages)
-        ids = self.to_device(moved.ids)
-        feed_inputs(ids, fed)
-        return self.decode_graphs.run_moved_on(ids, moved.new_pages)
-
-    def run_gathered(self, moved: MovedOn, prev: InFlightStep | None) -> torch.Tensor | None:
-        """Logits of a decode step whose batch is the last one's with some requests gone (or in another order): the
-        graph takes each row from its place in the last batch, fed the last step's sample there (or, with no step
-        in flight, the ids sent). None where it cannot: per-request mod parameters (their buffers are not gathered),
-        or a step in flight that is not the last batch's."""
-        graphs = self.decode_graphs
-        if graphs.bufs.params:
-            return None
-        if prev is None:
-            ids = np.zeros(len(moved.last_seqs), dtype=np.int64)
-            ids[moved.src] = moved.ids
-            return graphs.run_moved_on(self.to_device(ids), moved.new_pages, moved.src)
-        if prev.seqs != moved.last_seqs:  # (each of those sequences waits on its row's sample)
-            return None
-        return graphs.run_moved_on(prev.out.token_ids, moved.new_pages, moved.src)
-
-    def decode_with_graphs(self, batch: ScheduledBatch) -> bool:
-        g = self.decode_graphs
-        return (g is not None and all(n == 1 for n in batch.num_new_tokens)
-                and all(s.num_computed_tokens == s.num_tokens - 1 for s in batch.seqs)
-                and g.bucket_for(len(batch.seqs)) is not None)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, prev: InFlightStep | None = None) \
@@ -390,19 +337,6 @@ class ModelRunner:
             assert not any(s.num_pending for s in seqs), "a PENDING token with no step in flight"
             return None
         return prev.feed(seqs, last_rows, self.device, rows)
-
-    @torch.inference_mode()
-    def execute_multi_step(self, batch: ScheduledBatch) -> torch.Tensor:
-        """batch.num_steps decode steps back to back, each fed the last one's samples on the device:
-        → token ids [num_steps, n]. The scheduler made it only where the graphs serve every row."""
-        assert self.decode_with_graphs(batch), "a multi-step batch the decode graphs cannot run"
-        self.decode_tracker.forget()  # run_next moves the buffers on num_steps times
-        sampling = self.sampling.tensors(batch.seqs)
-        tokens = [self.sampler(self.run_decode_graph(batch.seqs, block_tables=batch.block_tables), sampling).token_ids]
-        for k in range(1, batch.num_steps):
-            step_k = self.sampling.step_on(sampling, batch.seqs, tokens[-1], k)  # penalties see the tokens so far
-            tokens.append(self.sampler(self.decode_graphs.run_next(tokens[-1]), step_k).token_ids)
-        return torch.stack(tokens)
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
