@@ -9,7 +9,6 @@ target (attention/layout.py's DECODE_PROGRAMS_PER_SM) or the few-rows GEMV (laye
     python3 scripts/decode_step_probe.py default,combo_up_to=32 -- latency ...  # the engine's tiles, combo to 32
     python3 scripts/decode_step_probe.py programs_per_sm=8,split_kv=kernel -- latency ...  # more split-KV programs
     python3 scripts/decode_step_probe.py few_rows=32 -- latency ...  # layers/gemv.py's rows_kernel for 2-32 rows
-    python3 scripts/decode_step_probe.py few_rows_gated=32 -- latency ...  # gate/up + SiLU and the LM head only
     python3 scripts/decode_step_probe.py default,blas=cublaslt -- latency ...  # torch's GEMMs through cuBLASLt
 
 torch 2.11 gives sm90's decode template one pipeline stage, two warps and a 64-wide KV tile; the H100's batch-32
@@ -22,7 +21,7 @@ import os
 import sys
 
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
-ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "few_rows_gated")
+ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -60,13 +59,12 @@ def main() -> int:
     cuda_graphs.COMBO_UP_TO = engine.get("combo_up_to", cuda_graphs.COMBO_UP_TO)
     layout.DECODE_PROGRAMS_PER_SM = engine.get("programs_per_sm", layout.DECODE_PROGRAMS_PER_SM)
     gemv.FEW_ROWS = engine.get("few_rows", gemv.FEW_ROWS)
-    gemv.FEW_ROWS_GATED = engine.get("few_rows_gated", gemv.FEW_ROWS_GATED)
     if "blas" in engine:
         import torch
         torch.backends.cuda.preferred_blas_library(engine["blas"])
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
           f"combo kernels up to batch {cuda_graphs.COMBO_UP_TO}; {layout.DECODE_PROGRAMS_PER_SM} split-KV programs per "
-          f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows (gate/up and the head: {gemv.FEW_ROWS_GATED}); BLAS {engine.get('blas', 'torch default')}", flush=True)
+          f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; BLAS {engine.get('blas', 'torch default')}", flush=True)
     if what == "attention":
         import argparse
         from flexengine.benchmarks import attention

@@ -108,24 +108,20 @@ def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, gated,
 @settings(max_examples=20, deadline=None)
 @given(m=st.integers(2, 64), n=st.one_of(st.integers(1, 40), st.sampled_from([3073, 16390])),
        k=st.sampled_from([16, 100, 256, 1000, 2049]), prefetch=st.integers(0, 1), float32_out=st.booleans(),
-       gated=st.booleans(), seed=st.integers(0, 2**16))
-def test_the_rows_kernel_equals_a_plain_matmul(m, n, k, prefetch, float32_out, gated, seed):
+       seed=st.integers(0, 2**16))
+def test_the_rows_kernel_equals_a_plain_matmul(m, n, k, prefetch, float32_out, seed):
     """The few-rows kernel (gemv.FEW_ROWS): every row of x against the weight, rows and columns past the tiles
-    masked, in each of rows_tiles' tile shapes; bf16 on a GPU, float32 in the interpreted process on the CPU.
-    `gated` (gemv.gated_rows): the weight is [gate; up] and the output silu(gate) * up, as the MLP's act_and_mul."""
+    masked, in each of rows_tiles' tile shapes; bf16 on a GPU, float32 in the interpreted process on the CPU."""
     if not torch.cuda.is_available() and not INTERPRETED:
         pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
     k = k if n <= 40 else min(k, 100)  # (wide weights: the interpreter's time)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator().manual_seed(seed)
-    x, w = (torch.randn(*shape, generator=g).to(dtype).to(device) for shape in ((m, k), ((2 if gated else 1) * n, k)))
-    float32_out = float32_out and not gated  # (the gated output feeds the down projection: the model's dtype)
+    x, w = (torch.randn(*shape, generator=g).to(dtype).to(device) for shape in ((m, k), (n, k)))
     with prefetching(prefetch):
-        got = G._launch_rows(x, w, torch.float32 if float32_out else None, gated=gated)
+        got = G._launch_rows(x, w, torch.float32 if float32_out else None)
     want = F.linear(x.float(), w.float())
-    if gated:
-        want = act_and_mul(want.to(dtype), "silu").float()  # (the projection rounded first, as cuBLAS's output)
     assert got.shape == (m, n) and got.dtype == (torch.float32 if float32_out else dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # summation order; bf16: the output's rounding
     assert (got.float() - want).abs().max() <= tol * (want.abs().max() + 1), (got, want)
@@ -318,13 +314,11 @@ def test_the_one_row_ops_trace_in_the_compiled_regions_without_recompiles(gpu_sh
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
-@pytest.mark.parametrize("knob", ["few_rows", "few_rows_gated"])
-def test_a_few_rows_on_the_gemv_give_the_plain_tokens_without_recompiles(gpu_shaped_engines, tmp_path, monkeypatch,
-                                                                         knob):
-    """gemv.FEW_ROWS (or FEW_ROWS_GATED) forced on the CPU (the ops' plain implementations), on the CUDA engine's path:
-    decode steps of 2-4 rows hand q/k/v, gate/up, o, down and the LM head to `gemv` (FEW_ROWS_GATED: gate/up with
-    SiLU's gating to `gated_rows` and the LM head to `gemv`; compiled regions now guard on the row count: the warm-up
-    must compile both sides of it), the tokens are the plain engine's, and nothing compiles after the warm-up."""
+def test_a_few_rows_on_the_gemv_give_the_plain_tokens_without_recompiles(gpu_shaped_engines, tmp_path, monkeypatch):
+    """gemv.FEW_ROWS forced on the CPU (the ops' plain implementations), on the CUDA engine's path: decode steps of
+    2-4 rows hand q/k/v, gate/up, o, down and the LM head to `gemv` (compiled regions now guard on the row count:
+    the warm-up must compile both sides of it), the tokens are the plain engine's, and nothing compiles after the
+    warm-up."""
     from test_models_parity import make_checkpoint
     from flexengine.compile import compile_count
     from flexengine.layers import linear
@@ -336,23 +330,21 @@ def test_a_few_rows_on_the_gemv_give_the_plain_tokens_without_recompiles(gpu_sha
                {"prompt_token_ids": [9, 8, 7, 6]}]
     config = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
     gemvs = []  # the weight shape and row count of each call, counted inside the op (dynamo does not trace it)
-    for name in ("_reference_gemv", "_reference_gated_rows"):
-        reference = getattr(G, name)
-        monkeypatch.setattr(G, name, lambda *a, reference=reference: gemvs.append((a[1].shape, a[0].shape[0]))
-                            or reference(*a))
-    for module in (linear, row_layers, decoder) if knob == "few_rows" else (decoder,):
-        monkeypatch.setattr(module, knob, lambda x: 1 < x.shape[0] <= 4)
+    reference_gemv = G._reference_gemv
+    monkeypatch.setattr(G, "_reference_gemv", lambda *a: gemvs.append((a[1].shape, a[0].shape[0]))
+                        or reference_gemv(*a))
+    for module in (linear, row_layers, decoder):
+        monkeypatch.setattr(module, "few_rows", lambda x: 1 < x.shape[0] <= 4)
     folded = LLM(path, **config)
     before, ran = compile_count(), len(gemvs)
     got = folded.generate(prompts, params, use_tqdm=False)
     assert compile_count() == before, "a shape compiled after warm-up"
     spec = folded.llm_engine.runner.model.spec
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-    want = {(2 * spec.intermediate_size, spec.hidden_size), (spec.vocab_size, spec.hidden_size)}
-    if knob == "few_rows":
-        want |= {(qkv, spec.hidden_size), (spec.hidden_size, spec.num_heads * spec.head_dim),
-                 (spec.hidden_size, spec.intermediate_size)}
-    assert want == {shape for shape, rows in gemvs[ran:] if rows > 1}, gemvs[ran:]
+    want = {(qkv, spec.hidden_size), (2 * spec.intermediate_size, spec.hidden_size),
+            (spec.hidden_size, spec.num_heads * spec.head_dim), (spec.hidden_size, spec.intermediate_size),
+            (spec.vocab_size, spec.hidden_size)}
+    assert want <= {shape for shape, rows in gemvs[ran:] if rows > 1}, gemvs[ran:]
     monkeypatch.undo()
     gpu_shaped_engines()
     plain = LLM(path, device="cpu", max_num_seqs=4).generate(prompts, params, use_tqdm=False)

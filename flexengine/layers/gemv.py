@@ -46,11 +46,6 @@ PREFETCH = 1  # weight tiles (0-2) read before PDL's wait for the kernel before 
 # rows_kernel, which PDL overlaps as it does the one-row kernel; 0 (the default): cuBLAS, which it has not yet beaten
 # (issue 16's batch 8 and 32; scripts/decode_step_probe.py few_rows=32)
 FEW_ROWS = 0
-# Up to this many rows (past one), gate/up with SiLU's gating in its epilogue (`gated_rows`: no SiLU kernel after it)
-# and the LM head take rows_kernel, the other projections staying on cuBLAS: where scripts/gemv_probe.py found the
-# kernel at or ahead of cuBLAS at 32 rows (session 25: gate/up 25.5-26.2 against 26.3-27.0 µs, the head 176-183
-# against 191-193); 0: off (scripts/decode_step_probe.py few_rows_gated=32)
-FEW_ROWS_GATED = 0
 # q/k/v's one-row kernel with rotary and the K/V store as its epilogue (norm_gemv_rope) where a layer allows it
 # (scripts/one_row_parts.py's "rope" part)
 ROPE_EPILOGUE = True
@@ -79,11 +74,6 @@ def few_rows(x: torch.Tensor) -> bool:
     """Whether a plain projection of x takes `gemv` with more than one row: up to FEW_ROWS rows that `serves` takes
     (FEW_ROWS first: while it is 0, no comparison of a dynamic row count, so no guard in a compiled region)."""
     return FEW_ROWS > 1 and 1 < x.shape[0] <= FEW_ROWS and serves(x.device, x.dtype)
-
-
-def few_rows_gated(x: torch.Tensor) -> bool:
-    """Whether gate/up (`gated_rows`) and the LM head of x take rows_kernel: up to FEW_ROWS_GATED rows, past one."""
-    return FEW_ROWS_GATED > 1 and 1 < x.shape[0] <= FEW_ROWS_GATED and serves(x.device, x.dtype)
 
 
 @functools.cache
@@ -136,17 +126,15 @@ def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = F
     return out, total
 
 
-def _launch_rows(x, w, out_dtype: torch.dtype | None = None, gated: bool = False):
+def _launch_rows(x, w, out_dtype: torch.dtype | None = None):
     (M, K), N = x.shape, w.shape[0]
     assert 1 < M <= 64 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
     pdl = launches_with_pdl(x.device)
-    block_n, block_k = rows_tiles(N)
-    if gated:  # half the outputs, each from two weight rows: a program reads as many bytes as ungated
-        N, block_n = N // 2, block_n // 2
     out = x.new_empty(M, N, dtype=out_dtype or x.dtype)
+    block_n, block_k = rows_tiles(N)
     _rows_kernel()[(-(-N // block_n),)](
         x, w, out, M, N, K, USE_PDL=pdl, PREFETCH=min(PREFETCH, 1), M_PAD=max(16, 1 << (M - 1).bit_length()),
-        BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, num_warps=ROWS_WARPS, **({"launch_pdl": True} if pdl else {}))
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=ROWS_WARPS, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
@@ -230,22 +218,3 @@ def _reference_gemv(x, weight, float32):
 @gemv.register_fake
 def _(x, weight, float32=False):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if float32 else x.dtype)
-
-
-@torch.library.custom_op("flexengine::gated_rows", mutates_args=())
-def gated_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate^T) * (x @ up^T) for a few rows x [M, K] (FEW_ROWS_GATED), weight [gate; up]: the projection
-    and the MLP's SiLU-and-mul in one kernel, each rounded to x's dtype as cuBLAS's output and Inductor's kernel are."""
-    if x.is_cuda:
-        return _launch_rows(x.contiguous(), weight, gated=True)
-    return _reference_gated_rows(x, weight)
-
-
-def _reference_gated_rows(x, weight):
-    g, u = F.linear(x, weight).float().chunk(2, dim=-1)
-    return (F.silu(g) * u).to(x.dtype)
-
-
-@gated_rows.register_fake
-def _(x, weight):
-    return x.new_empty(x.shape[0], weight.shape[0] // 2)

@@ -17,7 +17,7 @@ from ..compile import fused
 from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
 from ..layers import gemv as one_row_gemv
-from ..layers.gemv import few_rows, few_rows_gated, gated_rows, gemv, norm_gemv, norm_gemv_rope, one_row
+from ..layers.gemv import few_rows, gemv, norm_gemv, norm_gemv_rope, one_row
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from ..masks import causal, sliding_window, softcap
@@ -111,8 +111,6 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(I, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if few_rows_gated(x) and self.gate_up_proj.bias is None and self.act.name in ("silu", "swish"):
-            return self.down_proj(gated_rows(x, self.gate_up_proj.weight))  # (layers/gemv.py: a few decode rows)
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def one_row(self, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -290,7 +288,7 @@ class DecoderForCausalLM(nn.Module):
         """[N, V] logits, in float32 unless `float32` is False (the model dtype: prompt logprobs score every
         prompt row, and reduce them in float32 without a [rows, vocab] float32 copy)."""
         head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
-        if one_row(hidden) or few_rows(hidden) or few_rows_gated(hidden):  # float32 from the kernel where nothing follows in the model dtype
+        if one_row(hidden) or few_rows(hidden):  # float32 from the kernel where nothing follows in the model dtype
             rows = gemv(hidden, head.weight, float32 and self.spec.final_softcap is None)
         else:
             rows = nn.functional.linear(hidden, head.weight)
