@@ -26,7 +26,7 @@ from .policy import compile_count, compiled_on_first_use, decode_buckets, decode
 # Decode buckets up to this batch run their regions' combo-kernel version (compile.decode_regions): batch 1 is
 # compiled on its own anyway (size 1 is specialised); a larger value adds compiles. Session 36 (H100) measured 32:
 # batch 8 1.442 against 1.460 ms a step, batch 32 1.550-1.558 against 1.552-1.603, but 5 more dynamo graphs at start-up
-# (a fresh start's batch-32 bucket 12.6 s against 2.0, a cached one's 3.0 against 1.7): not taken (issue 24).
+# (a fresh start's batch-32 bucket 12.6 s against 2.0, a cached one's 3.0 against 0.5): not taken (issue 24).
 COMBO_UP_TO = 1
 
 

@@ -89,4 +89,3 @@ class DecodeGraphSteps:
             step_k = self.sampling.step_on(sampling, batch.seqs, tokens[-1], k)  # penalties see the tokens so far
             tokens.append(self.sampler(self.decode_graphs.run_next(tokens[-1]), step_k).token_ids)
         return torch.stack(tokens)
-
