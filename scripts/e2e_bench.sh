@@ -35,6 +35,8 @@ START=$(date +%s)
 STATUS=()
 
 # run_step NAME LIMIT CMD...: run CMD under min(LIMIT, budget left), tee'd into $OUT/NAME.log.
+# The limits hold a fresh box's first start (empty compile caches: ~160 s at the default max_model_len on the H100,
+# session 36, whose `compare` was cut at the old 200 s after transformers' own 41 s).
 run_step() {
   local name=$1 limit=$2; shift 2
   local left=$(( BUDGET - ($(date +%s) - START) ))
@@ -73,12 +75,12 @@ else
   run_step make_model 180 "$PY" -m flexengine.cli make-model --preset "$PRESET" --out "$MODEL_DIR" --dtype bfloat16 \
     || { summary; exit 1; }
 fi
-want throughput && run_step throughput 150 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
+want throughput && run_step throughput 300 "$PY" -m flexengine.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
   --input-len 256 --output-len 256 --json-out "$OUT/throughput.json"
-want latency && run_step latency 120 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --max-num-seqs 1 --batch-size 1 --input-len 128 \
+want latency && run_step latency 240 "$PY" -m flexengine.cli bench latency "${COMMON[@]}" --max-num-seqs 1 --batch-size 1 --input-len 128 \
   --output-len 256 --num-iters 3 --json-out "$OUT/latency.json"
 B1=(); (( BATCH1 )) && B1=(--batch1)
-want compare_transformers && run_step compare_transformers $(( BATCH1 ? 300 : 200 )) "$PY" -m flexengine.benchmarks.compare_transformers "${COMMON[@]}" \
+want compare_transformers && run_step compare_transformers $(( BATCH1 ? 460 : 360 )) "$PY" -m flexengine.benchmarks.compare_transformers "${COMMON[@]}" \
   --num-prompts "$NUM_PROMPTS" --tf-num-prompts "$TF_PROMPTS" --input-len 256 --output-len 256 ${B1[@]+"${B1[@]}"} \
   --json-out "$OUT/compare_transformers.json"
 # the same two runs without async scheduling (the default before session 15): what it is worth, in one call
