@@ -245,11 +245,12 @@ class DecodeGraphRunner:
             return self.forward_logits(b.input_ids[:bs], b.positions[:bs], meta)
 
     @torch.inference_mode()
-    def capture_all(self) -> None:
-        """Compile every bucket, then (on CUDA) capture it, largest first, into one shared memory pool."""
+    def capture_all(self, progress=list) -> None:
+        """Compile every bucket, then (on CUDA) capture it, largest first, into one shared memory pool.
+        progress(buckets) → the buckets, as it shows them (compile.warmup.progress)."""
         start = time.perf_counter()
         if not self.use_graphs:
-            for bs in self.buckets:
+            for bs in progress(self.buckets):
                 self.step(bs)
             self.capture_seconds = time.perf_counter() - start
             return
@@ -257,7 +258,7 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self.pool = torch.cuda.graph_pool_handle()
-        for bs in sorted(self.buckets, reverse=True):
+        for bs in progress(sorted(self.buckets, reverse=True)):
             started, compiled = time.perf_counter(), compile_count()
             self.step(bs)  # compile and autotune outside the capture
             torch.cuda.synchronize(self.device)

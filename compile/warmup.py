@@ -42,6 +42,15 @@ def compile_steps(runner) -> None:
                     time.perf_counter() - started)
 
 
+def progress(runner, items, desc: str):
+    """`items` under a progress bar: a machine's first start compiles for minutes (vLLM shows its graph capture the
+    same way). On a terminal only (tqdm's disable=None: logs, CI and pipes stay clean), and on the first
+    tensor-parallel rank (the others compile the same shapes beside it)."""
+    from tqdm.auto import tqdm
+    driver = getattr(getattr(runner, "tp", None), "rank", 0) == 0
+    return tqdm(list(items), desc=desc, unit="shape", dynamic_ncols=True, disable=None if driver else True)
+
+
 def capture_decode_graphs(runner):
     from .cuda_graphs import DecodeGraphRunner
     graphs = DecodeGraphRunner(
@@ -49,7 +58,7 @@ def capture_decode_graphs(runner):
         block_size=runner.block_size, num_blocks=runner.num_blocks + 1, table_width=runner.table_width,
         num_kv_heads=runner.num_kv_heads, params=runner.param_dtypes(),
         scratch_slot=runner.num_blocks * runner.block_size, device=runner.device)
-    graphs.capture_all()
+    graphs.capture_all(lambda buckets: progress(runner, buckets, "Capturing decode CUDA graphs"))
     logger.info("captured %d decode CUDA graphs in %.1f s (batch: (s, new graphs) %s), %.1f MiB", len(graphs.graphs),
                 graphs.capture_seconds, dict(sorted(graphs.bucket_seconds.items())), graphs.graph_bytes / 2 ** 20)
     return graphs
@@ -158,20 +167,22 @@ def capture_mixed_graphs(runner) -> int:
     buckets = decode_buckets(cfg.max_num_seqs)
     top = min(graphs.plan_tiles, max_prefill_tiles(cfg.max_num_batched_tokens))
     before = len(graphs.graphs) + len(graphs.plan_graphs)
+    layouts = []  # (tiles, decode rows, prompt lengths) of every step layout a graph serves
+    for tiles in tile_buckets(top):
+        for rows in [0] + buckets:
+            # the bucket's decode rows (as few real ones as pad to it) and prompts filling its tiles
+            num_decode = next((n for n in range(1, rows + 1) if bucket(n, buckets) == rows), 0) if rows else 0
+            lengths = prompt_lengths(runner, tiles, beside=num_decode)
+            if lengths is not None:
+                layouts.append((tiles, num_decode, lengths))
     with torch.inference_mode():
-        for tiles in tile_buckets(top):
-            for rows in [0] + buckets:
-                # the bucket's decode rows (as few real ones as pad to it) and prompts filling its tiles
-                num_decode = next((n for n in range(1, rows + 1) if bucket(n, buckets) == rows), 0) if rows else 0
-                lengths = prompt_lengths(runner, tiles, beside=num_decode)
-                if lengths is None:
-                    continue
-                seqs = dummy_seqs(runner, num_decode, 1, cached=1)
-                seqs += dummy_prompts(runner, lengths, first=len(seqs))
-                p = runner.pack_lengths(ScheduledBatch(seqs, [1] * num_decode + lengths))
-                key = runner.graph_key(p)
-                assert key is not None and key.num_tiles == tiles, (key, tiles)
-                runner.run_mixed_graph(p, key, seqs)
+        for tiles, num_decode, lengths in progress(runner, layouts, "Capturing prompt-step CUDA graphs"):
+            seqs = dummy_seqs(runner, num_decode, 1, cached=1)
+            seqs += dummy_prompts(runner, lengths, first=len(seqs))
+            p = runner.pack_lengths(ScheduledBatch(seqs, [1] * num_decode + lengths))
+            key = runner.graph_key(p)
+            assert key is not None and key.num_tiles == tiles, (key, tiles)
+            runner.run_mixed_graph(p, key, seqs)
         hidden = torch.zeros(cfg.max_num_seqs, runner.model.spec.hidden_size, dtype=runner.dtype,
                              device=runner.device)
         for n in range(1, cfg.max_num_seqs + 1):
@@ -197,16 +208,21 @@ def warm_up_steps(runner, decode: bool = False) -> float:
     scoring and the sampler; returns the seconds."""
     start = time.perf_counter()
     warm_up_sampling(runner)
+    steps = []  # one dummy step per shape: prompts of these lengths, or (requests, tokens each, cached before)
     for b in prefill_buckets(runner):
         lengths = prompt_lengths(runner, b)
         if lengths is not None:  # (None: no step can pad to this bucket)
-            run_dummy(runner, dummy_prompts(runner, lengths), lengths)
+            steps.append(lengths)
     wide = wide_prefill_step(runner)
     if wide is not None:
-        dummy_step(runner, 1, *wide)
+        steps.append((1, *wide))
     if decode:
-        for b in decode_buckets(runner.config.max_num_seqs):
-            dummy_step(runner, b, 1)
+        steps += [(b, 1, 0) for b in decode_buckets(runner.config.max_num_seqs)]
+    for step in progress(runner, steps, "Compiling step shapes"):
+        if isinstance(step, tuple):
+            dummy_step(runner, *step)
+        else:
+            run_dummy(runner, dummy_prompts(runner, step), step)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start

@@ -314,6 +314,42 @@ def test_warm_up_covers_buckets_larger_than_the_pool(gpu_shaped_engines):
     assert compile_count() == before
 
 
+def test_start_up_shows_its_compile_work_under_progress_bars(gpu_shaped_engines, monkeypatch):
+    """A machine's first start compiles for minutes: each of the warm-up's steps and each decode bucket's compile
+    (on CUDA its capture, and the graphs of steps with prompt tokens) goes by as an item of a progress bar
+    (compile.warmup.progress)."""
+    from flexengine.compile import warmup
+    bars, steps = {}, []
+    shown, run_dummy = warmup.progress, warmup.run_dummy
+
+    def recorded(runner, items, desc):
+        bars[desc] = list(items)
+        return shown(runner, bars[desc], desc)
+
+    monkeypatch.setattr(warmup, "progress", recorded)
+    monkeypatch.setattr(warmup, "run_dummy", lambda runner, seqs, n: steps.append(n) or run_dummy(runner, seqs, n))
+    LLM(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, block_size=16)
+    assert steps and bars["Compiling step shapes"] and len(bars["Compiling step shapes"]) == len(steps), (bars, steps)
+    assert sorted(bars["Capturing decode CUDA graphs"]) == decode_buckets(8)
+
+
+def test_progress_bars_show_on_a_terminal_of_the_first_rank_only(monkeypatch):
+    """tqdm draws on a terminal (its disable=None), never into logs or pipes, and on tensor-parallel rank 0 only."""
+    import io
+    import sys
+    from types import SimpleNamespace
+    from flexengine.compile.warmup import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for rank, file, shows in ((0, Terminal(), True), (1, Terminal(), False), (0, io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", file)
+        assert list(progress(SimpleNamespace(tp=SimpleNamespace(rank=rank)), [3, 1, 2], "Capturing")) == [3, 1, 2]
+        assert ("Capturing" in file.getvalue() and "3/3" in file.getvalue()) == shows, (rank, file.getvalue())
+
+
 def test_multi_step_decode_equals_one_step(gpu_shaped_engines):
     """num_scheduler_steps=4: decode steps run four at a time, each fed the last one's samples on the
     device. Seeded sampling, EOS stops mid-run, max_tokens and max_model_len cut-offs must give
