@@ -208,21 +208,18 @@ def warm_up_steps(runner, decode: bool = False) -> float:
     scoring and the sampler; returns the seconds."""
     start = time.perf_counter()
     warm_up_sampling(runner)
-    steps = []  # one dummy step per shape: prompts of these lengths, or (requests, tokens each, cached before)
+    steps = []  # one dummy step per shape: (its requests, their new tokens)
     for b in prefill_buckets(runner):
         lengths = prompt_lengths(runner, b)
         if lengths is not None:  # (None: no step can pad to this bucket)
-            steps.append(lengths)
+            steps.append((dummy_prompts(runner, lengths), lengths))
     wide = wide_prefill_step(runner)
     if wide is not None:
-        steps.append((1, *wide))
+        steps.append((dummy_seqs(runner, 1, *wide), [wide[0]]))
     if decode:
-        steps += [(b, 1, 0) for b in decode_buckets(runner.config.max_num_seqs)]
-    for step in progress(runner, steps, "Compiling step shapes"):
-        if isinstance(step, tuple):
-            dummy_step(runner, *step)
-        else:
-            run_dummy(runner, dummy_prompts(runner, step), step)
+        steps += [(dummy_seqs(runner, b, 1), [1] * b) for b in decode_buckets(runner.config.max_num_seqs)]
+    for seqs, num_new_tokens in progress(runner, steps, "Compiling step shapes"):
+        run_dummy(runner, seqs, num_new_tokens)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start
