@@ -2,9 +2,14 @@
 
 cos/sin are computed from the positions each step (one outer product, no table to outgrow) in
 float32, cast to the activations' dtype, then applied as transformers does.
+
+`rotary_store`: a step of more than one row rotates q and k and stores k and v into the paged caches in one kernel
+of its own (rotary_kernel.py) on CUDA, where Inductor made two of the layer region (q's rotary; k's with the cache
+store): a launch fewer a layer (issue 16: batch 32 paid 32 such launches, 50 µs of its step, session 36's profile).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -76,3 +81,58 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [T, H, D] rotated as (x1, x2) → (x1 cos - x2 sin, x2 cos + x1 sin), in x's dtype."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# q and k's rotary and the K/V store as one kernel in steps of more than one row on CUDA (rotary_store);
+# False: Inductor's kernels in the layer region, as before session 37 (scripts/decode_step_probe.py rotary_store=0)
+ROTARY_STORE = True
+
+
+def stores_rotary(x: torch.Tensor) -> bool:
+    """Whether a layer hands x's q/k/v projection to `rotary_store` (ROTARY_STORE, on CUDA; the one-row step folds
+    rotary and the store into the projection's own kernel before this is asked)."""
+    return ROTARY_STORE and x.is_cuda
+
+
+@functools.cache
+def _kernel():
+    from .rotary_kernel import rotary_store_kernel  # imports triton: only once a kernel launches
+    return rotary_store_kernel
+
+
+def _launch(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    from triton import next_power_of_2 as pow2
+    from .gemv import launches_with_pdl
+    T, half = qkv.shape[0], cos.shape[-1]
+    D = 2 * half
+    assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D, (qkv.shape, num_heads, half)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (num_kv_heads, D)
+    cos, sin = cos.reshape(T, half), sin.reshape(T, half)
+    assert cos.stride(1) == 1 and cos.stride() == sin.stride(), (cos.stride(), sin.stride())
+    q = qkv.new_empty(T, num_heads, D)
+    if T == 0:
+        return q
+    pdl = launches_with_pdl(qkv.device)
+    _kernel()[(T,)](qkv, cos, sin, slot_mapping, q, k_cache, v_cache, qkv.stride(0), cos.stride(0), Q_HEADS=num_heads,
+                    KV_HEADS=num_kv_heads, HALF=half, HEADS_PAD=pow2(num_heads + num_kv_heads), HALF_PAD=pow2(half),
+                    KV_PAD=pow2(num_kv_heads * D), USE_PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+    return q
+
+
+@torch.library.custom_op("flexengine::rotary_store", mutates_args=("k_cache", "v_cache"))
+def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """The q/k/v projection qkv [T, (Hq + 2 Hkv) D] → q [T, Hq, D] rotated (cos, sin [T, 1, D/2], neox layout); k
+    rotated and v stored into the paged caches [pages, page size, Hkv, D] at the tokens' flat slots."""
+    if qkv.is_cuda:
+        return _launch(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads)
+    from ..attention.kv_cache import write_kv
+    T, D = qkv.shape[0], 2 * cos.shape[-1]
+    q, k, v = qkv.view(T, -1, D).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    write_kv(k_cache, v_cache, apply_rotary.eager(k, cos, sin), v, slot_mapping)
+    return apply_rotary.eager(q, cos, sin)
+
+
+@rotary_store.register_fake
+def _(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads):
+    return qkv.new_empty(qkv.shape[0], num_heads, 2 * cos.shape[-1])

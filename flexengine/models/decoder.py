@@ -19,7 +19,7 @@ from ..layers.activation import ActAndMul
 from ..layers import gemv as one_row_gemv
 from ..layers.gemv import few_rows, gemv, norm_gemv, norm_gemv_rope, one_row
 from ..layers.norms import RMSNorm
-from ..layers.rotary import RotaryEmbedding, apply_rotary
+from ..layers.rotary import RotaryEmbedding, apply_rotary, rotary_store, stores_rotary
 from ..masks import causal, sliding_window, softcap
 from ..parallel.collectives import broadcast_from_first
 from ..parallel.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
@@ -143,6 +143,9 @@ class DecoderLayer(nn.Module):
         # and rotary and the K/V store into q/k/v's epilogue (layers/gemv.py's ROPE_EPILOGUE), where no per-head norm
         # comes between (Qwen3's) and a program's two rotary pairs fit one head (D/2 even)
         self.fold_rope = one_row_gemv.ROPE_EPILOGUE and self.fold_qkv and not spec.qk_norm and spec.head_dim % 4 == 0
+        # steps of more rows: rotary and the K/V store in one kernel after the projection (layers/rotary.py), likewise
+        # where no per-head norm comes between
+        self.rotary_store = not spec.qk_norm
 
     # The layer's work on either side of attention is two compiled regions on the CUDA engine (one
     # Inductor graph each, dynamic in T, shared by every layer); paged attention stays between them.
@@ -167,7 +170,12 @@ class DecoderLayer(nn.Module):
         else:
             if attn_delta is not None:
                 x = x + attn_delta + mlp_delta
-            q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+            attn = self.self_attn
+            if self.rotary_store and stores_rotary(x) and k_cache.dtype == x.dtype:  # rotary and the store: one kernel
+                q = rotary_store(attn.qkv_proj(self.input_layernorm(x)), cos, sin, slot_mapping, k_cache, v_cache,
+                                 attn.qkv_proj.num_heads, attn.qkv_proj.num_kv_heads)
+                return q, x
+            q, k, v = attn.qkv(self.input_layernorm(x), cos, sin)
         write_kv(k_cache, v_cache, k, v, slot_mapping)
         return q, x
 

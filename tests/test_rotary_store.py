@@ -1,0 +1,158 @@
+"""rotary.rotary_store: q and k rotated and k and v stored into the paged caches by one kernel, in steps of more than
+one row. The Triton kernel (run by Triton's interpreter on the CPU) against rotary and the store written plainly;
+the decoder's path through the op against its ordinary path, through the engine, eager and compiled."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexengine import LLM, SamplingParams
+from flexengine.layers import rotary
+
+pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_the_kernel_under_triton_s_interpreter():
+    """The kernel test below on the CPU, in a process of its own (Triton's interpreter is chosen at import)."""
+    if torch.cuda.is_available() or INTERPRETED:
+        pytest.skip("the GPU runs the kernel natively; an interpreted process runs the test itself")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                           f"{__file__}::test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def rotated(x, cos, sin):
+    """[T, H, D] in the neox layout, in float32: (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, 1, D/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos.float(), sin.float()
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 40), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 4, 7]),
+       half=st.sampled_from([2, 4, 32, 36, 40, 64]), page=st.sampled_from([1, 4, 16]),
+       wider=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots(tokens, kv_heads, group, half, page, wider, seed):
+    """Random slots over a few pages (each token its own), GQA ratios 1-7, head sizes 4-128 (72 and 80 too), the
+    projection a view with a wider row stride: q comes out rotated, k rotated and v as it was land at each token's
+    slot, and nothing else in the caches changes. bf16 on a GPU; float32 in the interpreted process."""
+    if not torch.cuda.is_available() and not INTERPRETED:
+        pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
+    q_heads, D = kv_heads * group, 2 * half
+    pages = -(-tokens // page) + 2
+    width = (q_heads + 2 * kv_heads) * D
+    qkv = rand(tokens, width + wider)[:, :width]
+    angle = torch.rand(tokens, 1, half, generator=g) * 6.28 * 100
+    cos, sin = angle.cos().to(dtype).to(device), angle.sin().to(dtype).to(device)
+    slots = torch.randperm(pages * page, generator=g)[:tokens].to(device)
+    k_cache, v_cache = rand(pages, page, kv_heads, D), rand(pages, page, kv_heads, D)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    q = rotary._launch(qkv, cos, sin, slots, k_cache, v_cache, q_heads, kv_heads)
+    heads = qkv.view(tokens, -1, D)
+    want_q = rotated(heads[:, :q_heads], cos, sin).to(dtype)
+    flat_k, flat_v = want_k_cache.view(-1, kv_heads, D), want_v_cache.view(-1, kv_heads, D)
+    flat_k[slots] = rotated(heads[:, q_heads:q_heads + kv_heads], cos, sin).to(dtype)
+    flat_v[slots] = heads[:, q_heads + kv_heads:]
+    # float32 products summed in another order (a fused multiply-add) may round a bf16 result to its neighbour
+    tol = 0 if dtype == torch.float32 else 1e-2
+    assert q.shape == (tokens, q_heads, D)
+    torch.testing.assert_close(q, want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache, want_k_cache, atol=tol, rtol=tol)
+    assert torch.equal(v_cache, want_v_cache)
+
+
+def test_the_op_off_cuda_is_rotary_and_the_store():
+    """The op's CPU implementation (what the decoder test below runs and dynamo's fake traces against)."""
+    g = torch.Generator().manual_seed(0)
+    T, Hq, Hkv, D = 5, 4, 2, 8
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g)
+    angle = torch.rand(T, 1, D // 2, generator=g)
+    k_cache, v_cache = torch.zeros(3, 4, Hkv, D), torch.zeros(3, 4, Hkv, D)
+    slots = torch.tensor([11, 0, 5, 6, 2])
+    q = rotary.rotary_store(qkv, angle.cos(), angle.sin(), slots, k_cache, v_cache, Hq, Hkv)
+    heads = qkv.view(T, -1, D)
+    torch.testing.assert_close(q, rotated(heads[:, :Hq], angle.cos(), angle.sin()))
+    torch.testing.assert_close(k_cache.view(-1, Hkv, D)[slots], rotated(heads[:, Hq:Hq + Hkv], angle.cos(), angle.sin()))
+    assert torch.equal(v_cache.view(-1, Hkv, D)[slots], heads[:, Hq + Hkv:])
+    written = torch.zeros(12, dtype=torch.bool)
+    written[slots] = True
+    assert not k_cache.view(12, -1)[~written].any() and not v_cache.view(12, -1)[~written].any()
+
+
+def generate(path, prompts, params, **config):
+    llm = LLM(path, device="cpu", **config)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs]) for o in outs]
+
+
+PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids": [1, 2, 3]},
+           {"prompt_token_ids": [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]}]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
+def test_the_decoders_path_through_the_op_equals_its_ordinary_path(family, tmp_path, monkeypatch):
+    """Prefill and decode steps of several rows with stores_rotary forced on the CPU (the op's plain
+    implementation: what is checked is which projection, heads, rotary and slots the decoder hands it) give the
+    ordinary path's tokens and logprobs; Qwen3's per-head norm keeps the ordinary path."""
+    from test_models_parity import make_checkpoint
+    from flexengine.models import decoder
+    _, path = make_checkpoint(family, tmp_path)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+    config = dict(max_num_seqs=3, max_num_batched_tokens=16)  # the 12-token prompt's prefill meets decode rows
+    ordinary = generate(path, PROMPTS, params, **config)
+    rows = []
+    op = decoder.rotary_store
+    monkeypatch.setattr(decoder, "stores_rotary", lambda x: True)
+    monkeypatch.setattr(decoder, "rotary_store", lambda qkv, *a: rows.append(qkv.shape[0]) or op(qkv, *a))
+    through_op = generate(path, PROMPTS, params, **config)
+    assert (len(rows) > 0) == (family != "qwen3"), rows
+    assert family == "qwen3" or max(rows) > 1
+    for (tokens, logprobs), (tokens2, logprobs2) in zip(ordinary, through_op):
+        assert tokens == tokens2
+        for step, step2 in zip(logprobs[0], logprobs2[0]):
+            assert step.keys() == step2.keys()
+            for tok in step:
+                assert abs(step[tok].logprob - step2[tok].logprob) < 1e-4
+
+
+def test_the_op_traces_in_the_compiled_regions_without_recompiles(gpu_shaped_engines, tmp_path, monkeypatch):
+    """The CUDA engine's path on the CPU (dynamo traces the layer regions, the decode graphs' steps and the prefill
+    steps): with the op forced, dynamo takes the mutating op into the regions at every row count, the tokens are the
+    plain engine's, and nothing compiles after the warm-up."""
+    from test_models_parity import make_checkpoint
+    from flexengine.compile import compile_count
+    from flexengine.models import decoder
+    _, path = make_checkpoint("llama", tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    config = dict(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128)
+    from flexengine.attention import kv_cache
+    rows = []  # counted inside the op's implementation (its store), which dynamo does not trace
+    write_kv = kv_cache.write_kv
+    monkeypatch.setattr(kv_cache, "write_kv", lambda kc, vc, k, v, slots: rows.append(k.shape[0])
+                        or write_kv(kc, vc, k, v, slots))
+    monkeypatch.setattr(decoder, "stores_rotary", lambda x: True)
+    llm = LLM(path, device="cpu", **config)
+    assert llm.llm_engine.runner.static_shapes
+    before, ran = compile_count(), len(rows)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up"
+    assert len(rows) > ran and max(rows[ran:]) > 1, rows[ran:]  # prefill and decode steps of several rows took it
+    monkeypatch.undo()
+    gpu_shaped_engines()
+    want = LLM(path, device="cpu", **config).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
