@@ -213,11 +213,11 @@ for stage in "$@"; do
              for b in ${SMALL_BATCHES:-8 32}; do step "latency_b${b}_decode_${o//,/+}" 120 python3 \
                scripts/decode_step_probe.py "$o" -- latency $(latency_4k "$b"); done; done ;;
     decode_variants) model && for b in ${SMALL_BATCHES:-8 32}; do for o in ${DECODE_STEP_VARIANTS:-default default,combo_up_to=32}; do
-             step "latency_b${b}_${o//,/+}" 120 python3 scripts/decode_step_probe.py "$o" -- latency \
+             step "latency_b${b}_${o//,/+}" 200 python3 scripts/decode_step_probe.py "$o" -- latency \
                $(latency_4k "$b"); done; done ;;
-    throughput_tiles) model && for o in ${THROUGHPUT_VARIANTS:-none default}; do  # 256^3, 4,096-token engines
+    throughput_tiles) model && for o in ${THROUGHPUT_VARIANTS:-none default}; do  # 256^3 (THROUGHPUT_ARGS), 4,096-token engines
              step "throughput_${o//,/+}" 200 python3 scripts/decode_step_probe.py "$o" -- throughput --model \
-               "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 --num-prompts 256 --input-len 256 --output-len 256
+               "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 ${THROUGHPUT_ARGS:---num-prompts 256 --input-len 256 --output-len 256}
            done ;;
     pdl) model && for b in ${PDL_BATCHES:-1 8 32}; do for v in off on; do  # FLEXENGINE_PDL off and on, batch by batch
              step "latency_pdl_b${b}_$v" 150 env FLEXENGINE_PDL=$v python3 -m flexengine.cli bench latency \

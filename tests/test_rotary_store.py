@@ -40,12 +40,12 @@ def rotated(x, cos, sin):
 
 @pytest.mark.gpu
 @settings(max_examples=25, deadline=None)
-@given(tokens=st.integers(1, 40), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 4, 7]),
+@given(tokens=st.one_of(st.integers(1, 40), st.just(300)), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 4, 7]),
        half=st.sampled_from([2, 4, 32, 36, 40, 64]), page=st.sampled_from([1, 4, 16]),
        wider=st.integers(0, 3), seed=st.integers(0, 2**16))
 def test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots(tokens, kv_heads, group, half, page, wider, seed):
     """Random slots over a few pages (each token its own), GQA ratios 1-7, head sizes 4-128 (72 and 80 too), the
-    projection a view with a wider row stride: q comes out rotated, k rotated and v as it was land at each token's
+    projection a view with a wider row stride, a decode step's few tokens and a prompt chunk's many (other tiles): q comes out rotated, k rotated and v as it was land at each token's
     slot, and nothing else in the caches changes. bf16 on a GPU; float32 in the interpreted process."""
     if not torch.cuda.is_available() and not INTERPRETED:
         pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
