@@ -135,6 +135,17 @@ def rotate(x, cos, sin):
     return torch.cat((x1 * cos.float() - x2 * sin.float(), x2 * cos.float() + x1 * sin.float()), dim=-1)
 
 
+def kernel_inputs(seed: int):
+    """(device, dtype, generator, rand(*shape)) for a kernel's test: bf16 on a GPU, float32 in the process that
+    Triton's interpreter runs on the CPU (the ordinary CPU process skips: its interpreter test runs the test)."""
+    if not torch.cuda.is_available() and not INTERPRETED:
+        pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    return device, dtype, g, lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
 @pytest.mark.gpu
 @settings(max_examples=20, deadline=None)
 @given(q_heads=st.sampled_from([1, 2, 4]), kv_heads=st.sampled_from([1, 2]), half=st.sampled_from([2, 4, 32, 36]),
@@ -144,12 +155,7 @@ def test_the_rope_epilogue_rotates_q_and_k_and_stores_k_and_v(q_heads, kv_heads,
                                                              seed):
     """norm_gemv_rope's kernel: the projection as norm_gemv's, q and k rotated, q returned, k and v stored at the
     slot and nowhere else in the caches; bf16 on a GPU, float32 in the interpreted process on the CPU."""
-    if not torch.cuda.is_available() and not INTERPRETED:
-        pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
+    device, dtype, g, rand = kernel_inputs(seed)
     D, pages = 2 * half, 3
     x, nw = rand(1, k), (torch.rand(k, generator=g) + 0.5).to(dtype).to(device)
     a, b = (rand(1, k) if summands > i else None for i in range(2))
@@ -271,12 +277,17 @@ def test_the_decoders_one_row_path_equals_its_ordinary_path(family, tmp_path, mo
     o_shape, down_shape = (spec.hidden_size, spec.num_heads * spec.head_dim), (spec.hidden_size, spec.intermediate_size)
     assert {o_shape, down_shape} & set(row_parallel) == {s for s, name in ((o_shape, "o"), (down_shape, "down"))
                                                          if name in want}
-    for (tokens, logprobs), (tokens2, logprobs2) in zip(ordinary, folded):
+    assert_same_tokens_and_logprobs(ordinary, folded)
+
+
+def assert_same_tokens_and_logprobs(runs, runs2, tol: float = 1e-4):
+    """Two runs' [(token ids, logprobs) per request]: the same tokens, the same top logprobs within tol."""
+    for (tokens, logprobs), (tokens2, logprobs2) in zip(runs, runs2, strict=True):
         assert tokens == tokens2
         for step, step2 in zip(logprobs[0], logprobs2[0]):
             assert step.keys() == step2.keys()
             for tok in step:
-                assert abs(step[tok].logprob - step2[tok].logprob) < 1e-4
+                assert abs(step[tok].logprob - step2[tok].logprob) < tol
 
 
 def test_the_one_row_ops_trace_in_the_compiled_regions_without_recompiles(gpu_shaped_engines, tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from flexengine import LLM, SamplingParams
 from flexengine.layers import rotary
+from test_gemv import assert_same_tokens_and_logprobs, kernel_inputs, rotate
 
 pytest.importorskip("triton")
 
@@ -31,13 +32,6 @@ def test_the_kernel_under_triton_s_interpreter():
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def rotated(x, cos, sin):
-    """[T, H, D] in the neox layout, in float32: (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, 1, D/2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos.float(), sin.float()
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
 @pytest.mark.gpu
 @settings(max_examples=25, deadline=None)
 @given(tokens=st.one_of(st.integers(1, 40), st.just(300)), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 4, 7]),
@@ -45,14 +39,10 @@ def rotated(x, cos, sin):
        wider=st.integers(0, 3), seed=st.integers(0, 2**16))
 def test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots(tokens, kv_heads, group, half, page, wider, seed):
     """Random slots over a few pages (each token its own), GQA ratios 1-7, head sizes 4-128 (72 and 80 too), the
-    projection a view with a wider row stride, a decode step's few tokens and a prompt chunk's many (other tiles): q comes out rotated, k rotated and v as it was land at each token's
-    slot, and nothing else in the caches changes. bf16 on a GPU; float32 in the interpreted process."""
-    if not torch.cuda.is_available() and not INTERPRETED:
-        pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
+    projection a view with a wider row stride, a decode step's few tokens and a prompt chunk's many (other tiles):
+    q comes out rotated, k rotated and v as it was land at each token's slot, and nothing else in the caches
+    changes. bf16 on a GPU; float32 in the interpreted process."""
+    device, dtype, g, rand = kernel_inputs(seed)
     q_heads, D = kv_heads * group, 2 * half
     pages = -(-tokens // page) + 2
     width = (q_heads + 2 * kv_heads) * D
@@ -64,9 +54,9 @@ def test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots(tokens, kv_h
     want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
     q = rotary._launch(qkv, cos, sin, slots, k_cache, v_cache, q_heads, kv_heads)
     heads = qkv.view(tokens, -1, D)
-    want_q = rotated(heads[:, :q_heads], cos, sin).to(dtype)
+    want_q = rotate(heads[:, :q_heads], cos, sin).to(dtype)
     flat_k, flat_v = want_k_cache.view(-1, kv_heads, D), want_v_cache.view(-1, kv_heads, D)
-    flat_k[slots] = rotated(heads[:, q_heads:q_heads + kv_heads], cos, sin).to(dtype)
+    flat_k[slots] = rotate(heads[:, q_heads:q_heads + kv_heads], cos, sin).to(dtype)
     flat_v[slots] = heads[:, q_heads + kv_heads:]
     # float32 products summed in another order (a fused multiply-add) may round a bf16 result to its neighbour
     tol = 0 if dtype == torch.float32 else 1e-2
@@ -86,8 +76,8 @@ def test_the_op_off_cuda_is_rotary_and_the_store():
     slots = torch.tensor([11, 0, 5, 6, 2])
     q = rotary.rotary_store(qkv, angle.cos(), angle.sin(), slots, k_cache, v_cache, Hq, Hkv)
     heads = qkv.view(T, -1, D)
-    torch.testing.assert_close(q, rotated(heads[:, :Hq], angle.cos(), angle.sin()))
-    torch.testing.assert_close(k_cache.view(-1, Hkv, D)[slots], rotated(heads[:, Hq:Hq + Hkv], angle.cos(), angle.sin()))
+    torch.testing.assert_close(q, rotate(heads[:, :Hq], angle.cos(), angle.sin()))
+    torch.testing.assert_close(k_cache.view(-1, Hkv, D)[slots], rotate(heads[:, Hq:Hq + Hkv], angle.cos(), angle.sin()))
     assert torch.equal(v_cache.view(-1, Hkv, D)[slots], heads[:, Hq + Hkv:])
     written = torch.zeros(12, dtype=torch.bool)
     written[slots] = True
@@ -122,12 +112,7 @@ def test_the_decoders_path_through_the_op_equals_its_ordinary_path(family, tmp_p
     through_op = generate(path, PROMPTS, params, **config)
     assert (len(rows) > 0) == (family != "qwen3"), rows
     assert family == "qwen3" or max(rows) > 1
-    for (tokens, logprobs), (tokens2, logprobs2) in zip(ordinary, through_op):
-        assert tokens == tokens2
-        for step, step2 in zip(logprobs[0], logprobs2[0]):
-            assert step.keys() == step2.keys()
-            for tok in step:
-                assert abs(step[tok].logprob - step2[tok].logprob) < 1e-4
+    assert_same_tokens_and_logprobs(ordinary, through_op)
 
 
 def test_the_op_traces_in_the_compiled_regions_without_recompiles(gpu_shaped_engines, tmp_path, monkeypatch):
