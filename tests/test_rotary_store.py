@@ -36,12 +36,14 @@ def test_the_kernel_under_triton_s_interpreter():
 @settings(max_examples=25, deadline=None)
 @given(tokens=st.one_of(st.integers(1, 40), st.just(300)), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 4, 7]),
        half=st.sampled_from([2, 4, 32, 36, 40, 64]), page=st.sampled_from([1, 4, 16]),
-       wider=st.integers(0, 3), seed=st.integers(0, 2**16))
-def test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots(tokens, kv_heads, group, half, page, wider, seed):
+       wider=st.integers(0, 3), stray=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots(tokens, kv_heads, group, half, page, wider, stray,
+                                                                    seed):
     """Random slots over a few pages (each token its own), GQA ratios 1-7, head sizes 4-128 (72 and 80 too), the
     projection a view with a wider row stride, a decode step's few tokens and a prompt chunk's many (other tiles):
     q comes out rotated, k rotated and v as it was land at each token's slot, and nothing else in the caches
-    changes. bf16 on a GPU; float32 in the interpreted process."""
+    changes; `stray`: the first token's slot is -1, which stores nothing. bf16 on a GPU; float32 in the interpreted
+    process."""
     device, dtype, g, rand = kernel_inputs(seed)
     q_heads, D = kv_heads * group, 2 * half
     pages = -(-tokens // page) + 2
@@ -52,12 +54,15 @@ def test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots(tokens, kv_h
     slots = torch.randperm(pages * page, generator=g)[:tokens].to(device)
     k_cache, v_cache = rand(pages, page, kv_heads, D), rand(pages, page, kv_heads, D)
     want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    if stray:
+        slots[0] = -1
     q = rotary._launch(qkv, cos, sin, slots, k_cache, v_cache, q_heads, kv_heads)
     heads = qkv.view(tokens, -1, D)
     want_q = rotate(heads[:, :q_heads], cos, sin).to(dtype)
     flat_k, flat_v = want_k_cache.view(-1, kv_heads, D), want_v_cache.view(-1, kv_heads, D)
-    flat_k[slots] = rotate(heads[:, q_heads:q_heads + kv_heads], cos, sin).to(dtype)
-    flat_v[slots] = heads[:, q_heads + kv_heads:]
+    stored = slots >= 0
+    flat_k[slots[stored]] = rotate(heads[stored, q_heads:q_heads + kv_heads], cos[stored], sin[stored]).to(dtype)
+    flat_v[slots[stored]] = heads[stored, q_heads + kv_heads:]
     # float32 products summed in another order (a fused multiply-add) may round a bf16 result to its neighbour
     tol = 0 if dtype == torch.float32 else 1e-2
     assert q.shape == (tokens, q_heads, D)

@@ -33,11 +33,11 @@ def rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_p
     q_row = q_ptr + t.to(tl.int64) * (Q_HEADS * D) + h * D + j
     tl.store(q_row, o1, mask=live & is_q)
     tl.store(q_row + HALF, o2, mask=live & is_q)
-    slot = tl.load(slot_ptr + t).to(tl.int64)  # the engine pads with its scratch page's slot: never negative,
-    stored = live & (slot >= 0)  # but a stray -1 must not write before the cache
-    k_row = kc_ptr + slot * (KV_HEADS * D) + (h - Q_HEADS) * D + j
-    tl.store(k_row, o1, mask=stored & is_k)
-    tl.store(k_row + HALF, o2, mask=stored & is_k)
-    v_row = vc_ptr + slot * (KV_HEADS * D) + (h - Q_HEADS - KV_HEADS) * D + j
-    tl.store(v_row, o1, mask=stored & ~rotate)
-    tl.store(v_row + HALF, o2, mask=stored & ~rotate)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # the engine pads with its scratch page's slot, never a negative one; a stray -1 writes nothing
+        k_row = kc_ptr + slot * (KV_HEADS * D) + (h - Q_HEADS) * D + j
+        tl.store(k_row, o1, mask=live & is_k)
+        tl.store(k_row + HALF, o2, mask=live & is_k)
+        v_row = vc_ptr + slot * (KV_HEADS * D) + (h - Q_HEADS - KV_HEADS) * D + j
+        tl.store(v_row, o1, mask=live & ~rotate)
+        tl.store(v_row + HALF, o2, mask=live & ~rotate)
