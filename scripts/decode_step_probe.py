@@ -1,7 +1,8 @@
 """Issues 16 / 15: the decode step with other tile options for flex's decode kernel (attention/backends/flex.py's
 DECODE_OPTIONS), Inductor's combo kernels up to another batch (compile/cuda_graphs.py's COMBO_UP_TO), another split-KV
-target (attention/layout.py's DECODE_PROGRAMS_PER_SM), the few-rows GEMV (layers/gemv.py's FEW_ROWS) or without the
-rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE), in
+target (attention/layout.py's DECODE_PROGRAMS_PER_SM), the few-rows GEMV (layers/gemv.py's FEW_ROWS), without the
+rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + SiLU on the few-rows kernel
+(layers/gemv.py's GATE_UP_ROWS), in
 `flexengine bench latency` / `bench throughput` or the attention microbenchmark:
 
     python3 scripts/decode_step_probe.py num_stages=3,num_warps=4 -- latency --model DIR --batch-size 32 ...
@@ -12,6 +13,7 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE), in
     python3 scripts/decode_step_probe.py few_rows=32 -- latency ...  # layers/gemv.py's rows_kernel for 2-32 rows
     python3 scripts/decode_step_probe.py default,blas=cublaslt -- latency ...  # torch's GEMMs through cuBLASLt
     python3 scripts/decode_step_probe.py default,rotary_store=0 -- latency ...  # Inductor's rotary and K/V store kernels
+    python3 scripts/decode_step_probe.py default,gate_up_rows=32 -- latency ...  # gate/up + SiLU in one kernel to 32 rows
 
 torch 2.11 gives sm90's decode template one pipeline stage, two warps and a 64-wide KV tile; the H100's batch-32
 profile (session 25) had that kernel at 20 µs a layer for ~300-token contexts, where batch 8 with four splits took 8.5.
@@ -23,7 +25,7 @@ import os
 import sys
 
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
-ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store")
+ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -62,12 +64,14 @@ def main() -> int:
     layout.DECODE_PROGRAMS_PER_SM = engine.get("programs_per_sm", layout.DECODE_PROGRAMS_PER_SM)
     gemv.FEW_ROWS = engine.get("few_rows", gemv.FEW_ROWS)
     rotary.ROTARY_STORE = bool(engine.get("rotary_store", rotary.ROTARY_STORE))
+    gemv.GATE_UP_ROWS = engine.get("gate_up_rows", gemv.GATE_UP_ROWS)
     if "blas" in engine:
         import torch
         torch.backends.cuda.preferred_blas_library(engine["blas"])
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
           f"combo kernels up to batch {cuda_graphs.COMBO_UP_TO}; {layout.DECODE_PROGRAMS_PER_SM} split-KV programs per "
-          f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; rotary + K/V store kernel {rotary.ROTARY_STORE}; BLAS "
+          f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; rotary + K/V store kernel {rotary.ROTARY_STORE}; gate/up + "
+          f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)
     if what == "attention":
         import argparse

@@ -35,9 +35,10 @@ def test_the_kernel_under_triton_s_interpreter():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
                            f"{__file__}::test_the_kernel_equals_the_plain_arithmetic",
                            f"{__file__}::test_the_rows_kernel_equals_a_plain_matmul",
+                           f"{__file__}::test_the_silu_and_mul_kernel_equals_the_plain_arithmetic",
                            f"{__file__}::test_the_rope_epilogue_rotates_q_and_k_and_stores_k_and_v"],
                           env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 @contextlib.contextmanager
@@ -108,25 +109,45 @@ def test_the_kernel_equals_the_plain_arithmetic(n, k, prologue, summands, gated,
 @settings(max_examples=20, deadline=None)
 @given(m=st.integers(2, 64), n=st.one_of(st.integers(1, 40), st.sampled_from([3073, 16390])),
        k=st.sampled_from([16, 100, 256, 1000, 2049]), prefetch=st.integers(0, 1), float32_out=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_the_rows_kernel_equals_a_plain_matmul(m, n, k, prefetch, float32_out, seed):
+       gated=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_rows_kernel_equals_a_plain_matmul(m, n, k, prefetch, float32_out, gated, seed):
     """The few-rows kernel (gemv.FEW_ROWS): every row of x against the weight, rows and columns past the tiles
-    masked, in each of rows_tiles' tile shapes; bf16 on a GPU, float32 in the interpreted process on the CPU."""
+    masked, in each of rows_tiles' tile shapes; bf16 on a GPU, float32 in the interpreted process on the CPU.
+    `gated` (gemv.gate_up_silu): the weight is [gate; up] and the output silu(gate) * up, as the MLP's act_and_mul."""
     if not torch.cuda.is_available() and not INTERPRETED:
         pytest.skip("runs in test_the_kernel_under_triton_s_interpreter's process on the CPU")
     k = k if n <= 40 else min(k, 100)  # (wide weights: the interpreter's time)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator().manual_seed(seed)
-    x, w = (torch.randn(*shape, generator=g).to(dtype).to(device) for shape in ((m, k), (n, k)))
+    x, w = (torch.randn(*shape, generator=g).to(dtype).to(device) for shape in ((m, k), ((2 if gated else 1) * n, k)))
+    float32_out = float32_out and not gated  # (the gated output feeds the down projection: the model's dtype)
     with prefetching(prefetch):
-        got = G._launch_rows(x, w, torch.float32 if float32_out else None)
+        got = G._launch_rows(x, w, torch.float32 if float32_out else None, gated=gated)
     want = F.linear(x.float(), w.float())
+    if gated:
+        want = act_and_mul(want.to(dtype), "silu").float()  # (the projection rounded first, as cuBLAS's output)
     assert got.shape == (m, n) and got.dtype == (torch.float32 if float32_out else dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # summation order; bf16: the output's rounding
     assert (got.float() - want).abs().max() <= tol * (want.abs().max() + 1), (got, want)
     if float32_out:  # the float32 output holds the model dtype's values
         assert torch.equal(got, got.to(dtype).float())
+
+
+@pytest.mark.gpu
+@settings(max_examples=15, deadline=None)
+@given(tokens=st.one_of(st.integers(0, 40), st.just(300)), n=st.sampled_from([1, 7, 1024, 1500, 2100]),
+       seed=st.integers(0, 2**16))
+def test_the_silu_and_mul_kernel_equals_the_plain_arithmetic(tokens, n, seed):
+    """gate_up_silu's kernel past GATE_UP_ROWS (after cuBLAS's projection): silu(gate) * up of each row's halves,
+    columns past its blocks masked, no rows at all included."""
+    device, dtype, g, rand = kernel_inputs(seed)
+    x = rand(tokens, 2 * n)
+    got = G._silu_and_mul(x)
+    assert got.shape == (tokens, n) and got.dtype == dtype
+    want = act_and_mul(x.float(), "silu")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 def rotate(x, cos, sin):
@@ -216,6 +237,8 @@ def test_the_ops_off_cuda_are_the_plain_arithmetic():
     torch.testing.assert_close(out, plain(1, x, a, b, nw[0], w, 1e-6, gated=True)[0])
     assert out.shape == (1, 5)
     torch.testing.assert_close(G.gemv(x, w), F.linear(x, w))
+    rows = torch.randn(3, 48, generator=g)
+    torch.testing.assert_close(G.gate_up_silu(rows, w), act_and_mul(F.linear(rows, w), "silu"))
     assert torch.equal(G.gemv(x.bfloat16(), w.bfloat16(), True), F.linear(x.bfloat16(), w.bfloat16()).float())
 
 

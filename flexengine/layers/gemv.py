@@ -15,7 +15,9 @@ computes its input itself:
   (parallel/layers.py's RowParallelLinear). It also takes a few rows [M <= FEW_ROWS, K] (`rows_kernel`, the rows
   padded to a power of two from 16 for the tensor cores) for every plain projection; FEW_ROWS is 0, so off: with one
   tile shape for every projection it lost to cuBLAS in the engine (H100, session 25: batch 8 at 1.954 ms a step
-  against 1.580), and its per-width tiles (`rows_tiles`) are not yet timed there.
+  against 1.580), and its per-width tiles (`rows_tiles`) are not yet timed there;
+- `gate_up_silu`: gate/up with SiLU's gating for any row count, on rows_kernel's gated form up to GATE_UP_ROWS rows
+  (0, so off, until the H100 times it), else cuBLAS and one SiLU-and-mul kernel.
 
 Under programmatic dependent launch (FLEXENGINE_PDL, on by default) the kernel reads its first weight tile before
 waiting for the kernel before it (PREFETCH: no kernel writes the weights) and lets the next kernel launch before its
@@ -46,6 +48,13 @@ PREFETCH = 1  # weight tiles (0-2) read before PDL's wait for the kernel before 
 # rows_kernel, which PDL overlaps as it does the one-row kernel; 0 (the default): cuBLAS, which it has not yet beaten
 # (issue 16's batch 8 and 32; scripts/decode_step_probe.py few_rows=32)
 FEW_ROWS = 0
+# Up to this many rows (past one), gate/up takes rows_kernel with SiLU's gating in its epilogue (`gate_up_silu`; no
+# SiLU kernel after it), steps of more rows cuBLAS and one SiLU-and-mul kernel; 0: off, the region's own ops. The op
+# takes every row count, so the compiled regions hold no comparison of it (no guard, no extra graph). Issue 16: at 32
+# rows scripts/gemv_probe.py had the gated kernel at cuBLAS's speed (session 25: 25.5-26.2 against 26.3-27.0 µs),
+# and batch 32 pays 16 SiLU launches (24 µs, session 37's profile); session 36 measured it with the LM head on the
+# kernel too (+51 µs), not alone (scripts/decode_step_probe.py gate_up_rows=32)
+GATE_UP_ROWS = 0
 # q/k/v's one-row kernel with rotary and the K/V store as its epilogue (norm_gemv_rope) where a layer allows it
 # (scripts/one_row_parts.py's "rope" part)
 ROPE_EPILOGUE = True
@@ -74,6 +83,11 @@ def few_rows(x: torch.Tensor) -> bool:
     """Whether a plain projection of x takes `gemv` with more than one row: up to FEW_ROWS rows that `serves` takes
     (FEW_ROWS first: while it is 0, no comparison of a dynamic row count, so no guard in a compiled region)."""
     return FEW_ROWS > 1 and 1 < x.shape[0] <= FEW_ROWS and serves(x.device, x.dtype)
+
+
+def takes_gate_up_silu(x: torch.Tensor) -> bool:
+    """Whether an MLP hands x's gate/up and SiLU-and-mul to `gate_up_silu` (GATE_UP_ROWS, on a device `serves`)."""
+    return GATE_UP_ROWS > 1 and serves(x.device, x.dtype)
 
 
 @functools.cache
@@ -126,15 +140,27 @@ def _launch(x, a, b, nw, w, prologue: int, eps: float = 0.0, write_sum: bool = F
     return out, total
 
 
-def _launch_rows(x, w, out_dtype: torch.dtype | None = None):
+def _launch_rows(x, w, out_dtype: torch.dtype | None = None, gated: bool = False):
     (M, K), N = x.shape, w.shape[0]
     assert 1 < M <= 64 and x.is_contiguous() and w.is_contiguous(), (x.shape, w.shape)
     pdl = launches_with_pdl(x.device)
-    out = x.new_empty(M, N, dtype=out_dtype or x.dtype)
     block_n, block_k = rows_tiles(N)
+    if gated:  # half the outputs, each from two weight rows: a program reads as many bytes as ungated
+        N, block_n = N // 2, block_n // 2
+    out = x.new_empty(M, N, dtype=out_dtype or x.dtype)
     _rows_kernel()[(-(-N // block_n),)](
         x, w, out, M, N, K, USE_PDL=pdl, PREFETCH=min(PREFETCH, 1), M_PAD=max(16, 1 << (M - 1).bit_length()),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=ROWS_WARPS, **({"launch_pdl": True} if pdl else {}))
+        BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, num_warps=ROWS_WARPS, **({"launch_pdl": True} if pdl else {}))
+    return out
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    from .gemv_kernel import silu_and_mul_kernel
+    T, N = x.shape[0], x.shape[1] // 2
+    assert x.is_contiguous(), x.stride()
+    out = x.new_empty(T, N)
+    if T:
+        silu_and_mul_kernel[(T, -(-N // 1024))](x, out, N, BLOCK=1024, num_warps=4)
     return out
 
 
@@ -218,3 +244,25 @@ def _reference_gemv(x, weight, float32):
 @gemv.register_fake
 def _(x, weight, float32=False):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32 if float32 else x.dtype)
+
+
+@torch.library.custom_op("flexengine::gate_up_silu", mutates_args=())
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for x [T, K], weight [gate; up] (GATE_UP_ROWS): up to GATE_UP_ROWS rows (past
+    one) one rows_kernel launch with the gating in its epilogue, more rows cuBLAS and one SiLU-and-mul kernel; the
+    projection rounded to x's dtype as cuBLAS's output is, the product rounded once, as Inductor's kernel."""
+    if x.is_cuda:
+        if 1 < x.shape[0] <= GATE_UP_ROWS:
+            return _launch_rows(x.contiguous(), weight, gated=True)
+        return _silu_and_mul(F.linear(x, weight))
+    return _reference_gate_up_silu(x, weight)
+
+
+def _reference_gate_up_silu(x, weight):
+    g, u = F.linear(x, weight).float().chunk(2, dim=-1)
+    return (F.silu(g) * u).to(x.dtype)
+
+
+@gate_up_silu.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)

@@ -147,24 +147,47 @@ def gemv_kernel(x_ptr, a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, sum_ptr, N, K, eps,
 
 @triton.jit
 def rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
     # out[M, N] = x[M, K] @ w[N, K]^T for a few rows (gemv.FEW_ROWS): a program reads BLOCK_N rows of the weight
-    # once for every row of x (padded to M_PAD for the tensor cores); PDL and PREFETCH (0 or 1) as gemv_kernel's
+    # once for every row of x (padded to M_PAD for the tensor cores); PDL and PREFETCH (0 or 1) as gemv_kernel's.
+    # GATED: w is [gate; up], 2N rows, and out[M, N] = silu(x @ gate^T) * (x @ up^T), rounded as gemv_kernel's
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_PAD)
     w_first = 0.0  # a placeholder where PREFETCH reads nothing
+    u_first = 0.0
     if PREFETCH >= 1:
         w_first = weight_tile(w_ptr, 0, n, tl.arange(0, BLOCK_K), N, K)
+        if GATED:
+            u_first = weight_tile(w_ptr, N, n, tl.arange(0, BLOCK_K), N, K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         w = weight_tile_or_prefetched(w_ptr, 0, n, k, N, K, k0, BLOCK_K, w_first, 0.0, PREFETCH)
         acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            u = weight_tile_or_prefetched(w_ptr, N, n, k, N, K, k0, BLOCK_K, u_first, 0.0, PREFETCH)
+            acc_up = tl.dot(x, tl.trans(u), acc_up)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # rounded to the model's dtype, as cuBLAS's
-    tl.store(out_ptr + m[:, None] * N + n[None, :], out, mask=(m[:, None] < M) & (n[None, :] < N))
+    dtype = x_ptr.dtype.element_ty
+    out = acc.to(dtype).to(tl.float32)  # rounded to the model's dtype, as cuBLAS's
+    if GATED:
+        out = out / (1.0 + tl.exp(-out)) * acc_up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + m[:, None] * N + n[None, :], out.to(dtype).to(out_ptr.dtype.element_ty),
+             mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+@triton.jit
+def silu_and_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    # out[t, :N] = silu(x[t, :N]) * x[t, N:2N] (the MLP's SiLU-and-mul after cuBLAS's gate/up), in float32 from
+    # the model's dtype and rounded once, as Inductor's kernel: program (t, b) takes BLOCK columns of token t
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(x_ptr + t * 2 * N + n, mask=n < N, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * 2 * N + N + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * N + n, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=n < N)

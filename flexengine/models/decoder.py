@@ -17,7 +17,7 @@ from ..compile import fused
 from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
 from ..layers import gemv as one_row_gemv
-from ..layers.gemv import few_rows, gemv, norm_gemv, norm_gemv_rope, one_row
+from ..layers.gemv import few_rows, gate_up_silu, gemv, norm_gemv, norm_gemv_rope, one_row, takes_gate_up_silu
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rotary_store, stores_rotary
 from ..masks import causal, sliding_window, softcap
@@ -109,16 +109,19 @@ class DecoderMLP(nn.Module):
                                                        bias=spec.mlp_bias)
         self.act = ActAndMul(spec.activation)
         self.down_proj = RowParallelLinear(I, spec.hidden_size, bias=spec.mlp_bias)
+        # SiLU's gating in the projection's kernel: the one-row path's, and gate_up_silu's where bias-free
+        self.gated_silu = self.act.name in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated_silu and self.gate_up_proj.bias is None and takes_gate_up_silu(x):  # (layers/gemv.py)
+            return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def one_row(self, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """forward(norm(x + h)) for one row: the sum and the norm inside the gate/up projection's kernel, and SiLU's
         gating in its epilogue (another activation keeps its own kernel)."""
-        gated = self.act.name in ("silu", "swish")
-        out = norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps, gated)[0]
-        return self.down_proj(out if gated else self.act(out))
+        out = norm_gemv(x, h, None, norm.weight, self.gate_up_proj.weight, norm.eps, self.gated_silu)[0]
+        return self.down_proj(out if self.gated_silu else self.act(out))
 
 
 class DecoderLayer(nn.Module):

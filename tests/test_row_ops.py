@@ -1,6 +1,8 @@
-"""rotary.rotary_store: q and k rotated and k and v stored into the paged caches by one kernel, in steps of more than
-one row. The Triton kernel (run by Triton's interpreter on the CPU) against rotary and the store written plainly;
-the decoder's path through the op against its ordinary path, through the engine, eager and compiled."""
+"""The ops of steps of more than one row that fold a layer's small kernels: rotary.rotary_store (q and k rotated,
+k and v stored into the paged caches, one kernel) and gemv.gate_up_silu (gate/up with SiLU-and-mul; its kernels are
+tested in test_gemv.py). rotary_store's Triton kernel (run by Triton's interpreter on the CPU) against rotary and the
+store written plainly; the decoder's path through each op against its ordinary path, through the engine, eager and
+compiled."""
 from __future__ import annotations
 
 import os
@@ -99,11 +101,17 @@ PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids"
            {"prompt_token_ids": [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]}]
 
 
+# op → (the decoder's test of whether a step takes it, the families whose layers keep the ordinary path: Qwen3's
+# per-head norm comes between q/k/v and rotary; Gemma 2's MLP is gelu's)
+OPS = {"rotary_store": ("stores_rotary", {"qwen3"}), "gate_up_silu": ("takes_gate_up_silu", {"gemma2"})}
+
+
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
-def test_the_decoders_path_through_the_op_equals_its_ordinary_path(family, tmp_path, monkeypatch):
-    """Prefill and decode steps of several rows with stores_rotary forced on the CPU (the op's plain
-    implementation: what is checked is which projection, heads, rotary and slots the decoder hands it) give the
-    ordinary path's tokens and logprobs; Qwen3's per-head norm keeps the ordinary path."""
+def test_the_decoders_path_through_the_op_equals_its_ordinary_path(op, family, tmp_path, monkeypatch):
+    """Prefill and decode steps of several rows with the op forced on the CPU (its plain implementation: what is
+    checked is which projection, heads, rotary and slots, or weights, the decoder hands it) give the ordinary path's
+    tokens and logprobs."""
     from test_models_parity import make_checkpoint
     from flexengine.models import decoder
     _, path = make_checkpoint(family, tmp_path)
@@ -111,31 +119,34 @@ def test_the_decoders_path_through_the_op_equals_its_ordinary_path(family, tmp_p
     config = dict(max_num_seqs=3, max_num_batched_tokens=16)  # the 12-token prompt's prefill meets decode rows
     ordinary = generate(path, PROMPTS, params, **config)
     rows = []
-    op = decoder.rotary_store
-    monkeypatch.setattr(decoder, "stores_rotary", lambda x: True)
-    monkeypatch.setattr(decoder, "rotary_store", lambda qkv, *a: rows.append(qkv.shape[0]) or op(qkv, *a))
+    takes, ordinary_families = OPS[op]
+    implementation = getattr(decoder, op)
+    monkeypatch.setattr(decoder, takes, lambda x: True)
+    monkeypatch.setattr(decoder, op, lambda x, *a: rows.append(x.shape[0]) or implementation(x, *a))
     through_op = generate(path, PROMPTS, params, **config)
-    assert (len(rows) > 0) == (family != "qwen3"), rows
-    assert family == "qwen3" or max(rows) > 1
+    assert (len(rows) > 0) == (family not in ordinary_families), rows
+    assert not rows or max(rows) > 1
     assert_same_tokens_and_logprobs(ordinary, through_op)
 
 
-def test_the_op_traces_in_the_compiled_regions_without_recompiles(gpu_shaped_engines, tmp_path, monkeypatch):
+@pytest.mark.parametrize("op", OPS)
+def test_the_op_traces_in_the_compiled_regions_without_recompiles(op, gpu_shaped_engines, tmp_path, monkeypatch):
     """The CUDA engine's path on the CPU (dynamo traces the layer regions, the decode graphs' steps and the prefill
-    steps): with the op forced, dynamo takes the mutating op into the regions at every row count, the tokens are the
-    plain engine's, and nothing compiles after the warm-up."""
+    steps): with the op forced, dynamo takes it (rotary_store mutates the caches) into the regions at every row count,
+    the tokens are the plain engine's, and nothing compiles after the warm-up."""
     from test_models_parity import make_checkpoint
+    from flexengine.attention import kv_cache
     from flexengine.compile import compile_count
+    from flexengine.layers import gemv
     from flexengine.models import decoder
     _, path = make_checkpoint("llama", tmp_path)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     config = dict(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128)
-    from flexengine.attention import kv_cache
-    rows = []  # counted inside the op's implementation (its store), which dynamo does not trace
-    write_kv = kv_cache.write_kv
-    monkeypatch.setattr(kv_cache, "write_kv", lambda kc, vc, k, v, slots: rows.append(k.shape[0])
-                        or write_kv(kc, vc, k, v, slots))
-    monkeypatch.setattr(decoder, "stores_rotary", lambda x: True)
+    rows = []  # counted inside the op's implementation, which dynamo does not trace: its store, or its arithmetic
+    module, name = (kv_cache, "write_kv") if op == "rotary_store" else (gemv, "_reference_gate_up_silu")
+    inner = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: rows.append(a[2 if op == "rotary_store" else 0].shape[0]) or inner(*a))
+    monkeypatch.setattr(decoder, OPS[op][0], lambda x: True)
     llm = LLM(path, device="cpu", **config)
     assert llm.llm_engine.runner.static_shapes
     before, ran = compile_count(), len(rows)
