@@ -14,6 +14,12 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,blas=cublaslt -- latency ...  # torch's GEMMs through cuBLASLt
     python3 scripts/decode_step_probe.py default,rotary_store=0 -- latency ...  # Inductor's rotary and K/V store kernels
     python3 scripts/decode_step_probe.py default,gate_up_rows=32 -- latency ...  # gate/up + SiLU in one kernel to 32 rows
+    python3 scripts/decode_step_probe.py default,persistent_up_to=4096 -- latency ...  # one-pass norms (below)
+
+persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
+two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048
+(4,096 at 8B) is such a two-pass kernel, 32 of them at 2.1 µs each in batch 32's step (session 37's profile). Its
+compiles get a cache folder of their own (/tmp/inductor_persistent_N), so that no cached two-pass kernel stands in.
 
 torch 2.11 gives sm90's decode template one pipeline stage, two warps and a 64-wide KV tile; the H100's batch-32
 profile (session 25) had that kernel at 20 µs a layer for ~300-token contexts, where batch 8 with four splits took 8.5.
@@ -25,7 +31,7 @@ import os
 import sys
 
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
-ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows")
+ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -51,6 +57,28 @@ def parse(text: str) -> tuple[dict | None, dict]:
     return options, engine
 
 
+def persistent_reductions_up_to(n: int) -> None:
+    """Inductor's inner reductions of up to n elements in one pass, for compiles in this process (see the top)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"/tmp/inductor_persistent_{n}"  # (the engine keeps a set one)
+    import torch._inductor.config as inductor_config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class PersistentUpTo(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction):
+            if (features.get_reduction_hint() == ReductionHint.INNER
+                    and V.graph.sizevars.statically_known_leq(features.reduction_numel, n)):
+                return True
+            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+    if hasattr(inductor_config, "inductor_choices_class"):
+        inductor_config.inductor_choices_class = PersistentUpTo  # every thread's compiles
+    else:  # an older Inductor: this thread's (the engine compiles its warm-up on the caller's)
+        V.set_choices_handler(PersistentUpTo())
+
+
 def main() -> int:
     split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
     options, engine = parse(",".join(sys.argv[1:split]))
@@ -65,13 +93,16 @@ def main() -> int:
     gemv.FEW_ROWS = engine.get("few_rows", gemv.FEW_ROWS)
     rotary.ROTARY_STORE = bool(engine.get("rotary_store", rotary.ROTARY_STORE))
     gemv.GATE_UP_ROWS = engine.get("gate_up_rows", gemv.GATE_UP_ROWS)
+    if "persistent_up_to" in engine:
+        persistent_reductions_up_to(engine["persistent_up_to"])
     if "blas" in engine:
         import torch
         torch.backends.cuda.preferred_blas_library(engine["blas"])
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
           f"combo kernels up to batch {cuda_graphs.COMBO_UP_TO}; {layout.DECODE_PROGRAMS_PER_SM} split-KV programs per "
           f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; rotary + K/V store kernel {rotary.ROTARY_STORE}; gate/up + "
-          f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; BLAS "
+          f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; persistent reductions up to "
+          f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)
     if what == "attention":
         import argparse

@@ -214,7 +214,10 @@ for stage in "$@"; do
                scripts/decode_step_probe.py "$o" -- latency $(latency_4k "$b"); done; done ;;
     decode_variants) model && for b in ${SMALL_BATCHES:-8 32}; do for o in ${DECODE_STEP_VARIANTS:-default default,combo_up_to=32}; do
              step "latency_b${b}_${o//,/+}" 200 python3 scripts/decode_step_probe.py "$o" -- latency \
-               $(latency_4k "$b"); done; done ;;
+               $(latency_4k "$b"); done; done
+           for d in /tmp/inductor_persistent_*; do [[ -d $d ]] && echo "$d: $(grep -rl rsqrt "$d" --include='*.py' \
+             | xargs -r grep -l '@triton_heuristics.persistent_reduction' | wc -l) persistent norm kernels" \
+             | tee -a "$OUT/summary_extra.txt"; done ;;  # (persistent_up_to=N: did Inductor take the one-pass form?)
     throughput_tiles) model && for o in ${THROUGHPUT_VARIANTS:-none default}; do  # 256^3 (THROUGHPUT_ARGS), 4,096-token engines
              step "throughput_${o//,/+}" 200 python3 scripts/decode_step_probe.py "$o" -- throughput --model \
                "$MODEL_DIR" --dtype bfloat16 --max-model-len 4096 ${THROUGHPUT_ARGS:---num-prompts 256 --input-len 256 --output-len 256}
