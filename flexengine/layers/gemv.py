@@ -103,6 +103,12 @@ def _rows_kernel():
 
 
 @functools.cache
+def _silu_and_mul_kernel():
+    from .gemv_kernel import silu_and_mul_kernel
+    return silu_and_mul_kernel
+
+
+@functools.cache
 def _pdl_capable(device: torch.device) -> bool:
     """A CUDA device of Hopper or later (griddepcontrol is sm90 PTX), not Triton's interpreter (no such launch)."""
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
@@ -155,12 +161,11 @@ def _launch_rows(x, w, out_dtype: torch.dtype | None = None, gated: bool = False
 
 
 def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    from .gemv_kernel import silu_and_mul_kernel
     T, N = x.shape[0], x.shape[1] // 2
     assert x.is_contiguous(), x.stride()
     out = x.new_empty(T, N)
     if T:
-        silu_and_mul_kernel[(T, -(-N // 1024))](x, out, N, BLOCK=1024, num_warps=4)
+        _silu_and_mul_kernel()[(T, -(-N // 1024))](x, out, N, BLOCK=1024, num_warps=4)
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..compile import fused
+from .gemv import launches_with_pdl
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -102,7 +103,6 @@ def _kernel():
 
 def _launch(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_kv_heads: int) -> torch.Tensor:
     from triton import next_power_of_2 as pow2
-    from .gemv import launches_with_pdl
     T, half = qkv.shape[0], cos.shape[-1]
     D = 2 * half
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D, (qkv.shape, num_heads, half)
