@@ -15,6 +15,7 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,rotary_store=0 -- latency ...  # Inductor's rotary and K/V store kernels
     python3 scripts/decode_step_probe.py default,gate_up_rows=32 -- latency ...  # gate/up + SiLU in one kernel to 32 rows
     python3 scripts/decode_step_probe.py default,persistent_up_to=4096 -- latency ...  # one-pass norms (below)
+    python3 scripts/decode_step_probe.py default,head_rows=0 -- latency ...  # the LM head on cuBLAS at every batch
 
 persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
 two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048
@@ -31,7 +32,8 @@ import os
 import sys
 
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
-ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to")
+ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
+               "head_rows")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -93,6 +95,7 @@ def main() -> int:
     gemv.FEW_ROWS = engine.get("few_rows", gemv.FEW_ROWS)
     rotary.ROTARY_STORE = bool(engine.get("rotary_store", rotary.ROTARY_STORE))
     gemv.GATE_UP_ROWS = engine.get("gate_up_rows", gemv.GATE_UP_ROWS)
+    gemv.HEAD_ROWS = engine.get("head_rows", gemv.HEAD_ROWS)
     if "persistent_up_to" in engine:
         persistent_reductions_up_to(engine["persistent_up_to"])
     if "blas" in engine:
@@ -101,7 +104,7 @@ def main() -> int:
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
           f"combo kernels up to batch {cuda_graphs.COMBO_UP_TO}; {layout.DECODE_PROGRAMS_PER_SM} split-KV programs per "
           f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; rotary + K/V store kernel {rotary.ROTARY_STORE}; gate/up + "
-          f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; persistent reductions up to "
+          f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)
     if what == "attention":

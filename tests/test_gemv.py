@@ -253,6 +253,19 @@ def test_one_row_takes_cuda_16_bit_single_rows_only(monkeypatch):
         assert not G.one_row(torch.zeros(1, 8, dtype=torch.bfloat16, device="cuda"))
 
 
+def test_the_lm_head_takes_the_rows_kernel_up_to_head_rows(monkeypatch):
+    """HEAD_ROWS puts the LM head alone on the kernel for 2..HEAD_ROWS rows (one row always, when it serves); FEW_ROWS
+    every projection, the head included; nothing where the device or dtype is not served."""
+    monkeypatch.setattr(G, "ENABLED", True)
+    monkeypatch.setattr(G, "serves", lambda device, dtype: dtype == torch.bfloat16)
+    rows = lambda n, dtype=torch.bfloat16: G.head_rows(torch.empty(n, 8, dtype=dtype))  # noqa: E731
+    for head, few, want in ((0, 0, [1]), (32, 0, [1, 2, 4, 8, 16, 32]), (0, 4, [1, 2, 4]), (8, 16, [1, 2, 4, 8, 16]), (64, 0, [1, 2, 4, 8, 16, 32, 33, 64])):
+        monkeypatch.setattr(G, "HEAD_ROWS", head)
+        monkeypatch.setattr(G, "FEW_ROWS", few)
+        assert [n for n in (1, 2, 4, 8, 16, 32, 33, 64) if rows(n)] == want, (head, few)
+        assert not rows(2, torch.float32) and not rows(1, torch.float32)
+
+
 @pytest.mark.parametrize("family", ["llama", "llama_tied_mha", "qwen2", "qwen3", "gemma2"])
 def test_the_decoders_one_row_path_equals_its_ordinary_path(family, tmp_path, monkeypatch):
     """Batch-1 decode with one_row forced on the CPU (the ops' plain implementations: what is checked here is
@@ -279,6 +292,7 @@ def test_the_decoders_one_row_path_equals_its_ordinary_path(family, tmp_path, mo
     calls, norm_folds, row_parallel = [], [], []
     forced = lambda x: calls.append(x.shape[0]) or x.shape[0] == 1  # noqa: E731
     monkeypatch.setattr(decoder, "one_row", forced)
+    monkeypatch.setattr(decoder, "head_rows", forced)
     monkeypatch.setattr(row_layers, "one_row", forced)
     norm_gemv, norm_gemv_rope, gemv = decoder.norm_gemv, decoder.norm_gemv_rope, row_layers.gemv
     monkeypatch.setattr(decoder, "norm_gemv", lambda *a: norm_folds.append(a[-1] if len(a) == 7 else False)
@@ -330,6 +344,7 @@ def test_the_one_row_ops_trace_in_the_compiled_regions_without_recompiles(gpu_sh
     monkeypatch.setattr(G, "_reference_sum", lambda *a: sums.append(1) or reference_sum(*a))
     monkeypatch.setattr(G, "_reference_gemv", lambda *a: gemvs.append(a[1].shape) or reference_gemv(*a))
     monkeypatch.setattr(decoder, "one_row", lambda x: x.shape[0] == 1)
+    monkeypatch.setattr(decoder, "head_rows", lambda x: x.shape[0] == 1)
     monkeypatch.setattr(row_layers, "one_row", lambda x: x.shape[0] == 1)  # o and down
     monkeypatch.setattr(G, "ROPE_EPILOGUE", True)  # q/k/v with rotary and the cache store, a mutating op in a region
     folded = LLM(path, **config)
@@ -367,8 +382,9 @@ def test_a_few_rows_on_the_gemv_give_the_plain_tokens_without_recompiles(gpu_sha
     reference_gemv = G._reference_gemv
     monkeypatch.setattr(G, "_reference_gemv", lambda *a: gemvs.append((a[1].shape, a[0].shape[0]))
                         or reference_gemv(*a))
-    for module in (linear, row_layers, decoder):
+    for module in (linear, row_layers):
         monkeypatch.setattr(module, "few_rows", lambda x: 1 < x.shape[0] <= 4)
+    monkeypatch.setattr(decoder, "head_rows", lambda x: 1 < x.shape[0] <= 4)  # (the LM head: few_rows or HEAD_ROWS)
     folded = LLM(path, **config)
     before, ran = compile_count(), len(gemvs)
     got = folded.generate(prompts, params, use_tqdm=False)

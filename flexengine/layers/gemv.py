@@ -15,9 +15,10 @@ computes its input itself:
   (parallel/layers.py's RowParallelLinear). It also takes a few rows [M <= FEW_ROWS, K] (`rows_kernel`, the rows
   padded to a power of two from 16 for the tensor cores) for every plain projection; FEW_ROWS is 0, so off: with one
   tile shape for every projection it lost to cuBLAS in the engine (H100, session 25: batch 8 at 1.954 ms a step
-  against 1.580), and its per-width tiles (`rows_tiles`) are not yet timed there;
+  against 1.580; session 25's per-width tiles, `rows_tiles`: batch 32 at 1.912 against 1.544). The LM head alone
+  takes it up to HEAD_ROWS rows (32), where it wins;
 - `gate_up_silu`: gate/up with SiLU's gating for any row count, on rows_kernel's gated form up to GATE_UP_ROWS rows
-  (0, so off, until the H100 times it), else cuBLAS and one SiLU-and-mul kernel.
+  (0, so off: it lost on the H100), else cuBLAS and one SiLU-and-mul kernel.
 
 Under programmatic dependent launch (FLEXENGINE_PDL, on by default) the kernel reads its first weight tile before
 waiting for the kernel before it (PREFETCH: no kernel writes the weights) and lets the next kernel launch before its
@@ -48,12 +49,20 @@ PREFETCH = 1  # weight tiles (0-2) read before PDL's wait for the kernel before 
 # rows_kernel, which PDL overlaps as it does the one-row kernel; 0 (the default): cuBLAS, which it has not yet beaten
 # (issue 16's batch 8 and 32; scripts/decode_step_probe.py few_rows=32)
 FEW_ROWS = 0
+# Up to this many rows (past one), the LM head alone takes rows_kernel, which writes the float32 logits the sampler
+# reads (no conversion kernel after, as at one row); 0: cuBLAS and a float32 copy. The head is the one projection
+# where the kernel beat cuBLAS at 8 and 32 rows (scripts/gemv_probe.py, session 25: 175.6-182.6 against 191.4-192.8
+# µs at 32 rows of the 1B shape). H100, session 38 (scripts/decode_step_probe.py head_rows=32, one box): batch 32
+# 1.520 / 1.521 ms a step against 1.543 / 1.542, batch 8 1.440 against 1.461. The logits are computed outside the
+# compiled regions, so the row count is no guard there
+HEAD_ROWS = 32
 # Up to this many rows (past one), gate/up takes rows_kernel with SiLU's gating in its epilogue (`gate_up_silu`; no
 # SiLU kernel after it), steps of more rows cuBLAS and one SiLU-and-mul kernel; 0: off, the region's own ops. The op
 # takes every row count, so the compiled regions hold no comparison of it (no guard, no extra graph). Issue 16: at 32
 # rows scripts/gemv_probe.py had the gated kernel at cuBLAS's speed (session 25: 25.5-26.2 against 26.3-27.0 µs),
 # and batch 32 pays 16 SiLU launches (24 µs, session 37's profile); session 36 measured it with the LM head on the
-# kernel too (+51 µs), not alone (scripts/decode_step_probe.py gate_up_rows=32)
+# kernel too (+51 µs); alone (session 38, scripts/decode_step_probe.py gate_up_rows=32, same box) batch 32 ran 1.616
+# ms a step against 1.548: off
 GATE_UP_ROWS = 0
 # q/k/v's one-row kernel with rotary and the K/V store as its epilogue (norm_gemv_rope) where a layer allows it
 # (scripts/one_row_parts.py's "rope" part)
@@ -83,6 +92,11 @@ def few_rows(x: torch.Tensor) -> bool:
     """Whether a plain projection of x takes `gemv` with more than one row: up to FEW_ROWS rows that `serves` takes
     (FEW_ROWS first: while it is 0, no comparison of a dynamic row count, so no guard in a compiled region)."""
     return FEW_ROWS > 1 and 1 < x.shape[0] <= FEW_ROWS and serves(x.device, x.dtype)
+
+
+def head_rows(x: torch.Tensor) -> bool:
+    """Whether the LM head of x's rows takes `gemv`: one row or a few (FEW_ROWS, or HEAD_ROWS for the head alone)."""
+    return one_row(x) or few_rows(x) or (1 < x.shape[0] <= HEAD_ROWS and serves(x.device, x.dtype))
 
 
 def takes_gate_up_silu(x: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ from ..compile import fused
 from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
 from ..layers import gemv as one_row_gemv
-from ..layers.gemv import few_rows, gate_up_silu, gemv, norm_gemv, norm_gemv_rope, one_row, takes_gate_up_silu
+from ..layers.gemv import gate_up_silu, gemv, head_rows, norm_gemv, norm_gemv_rope, one_row, takes_gate_up_silu
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rotary_store, stores_rotary
 from ..masks import causal, sliding_window, softcap
@@ -299,7 +299,7 @@ class DecoderForCausalLM(nn.Module):
         """[N, V] logits, in float32 unless `float32` is False (the model dtype: prompt logprobs score every
         prompt row, and reduce them in float32 without a [rows, vocab] float32 copy)."""
         head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
-        if one_row(hidden) or few_rows(hidden):  # float32 from the kernel where nothing follows in the model dtype
+        if head_rows(hidden):  # float32 from the kernel where nothing follows in the model dtype
             rows = gemv(hidden, head.weight, float32 and self.spec.final_softcap is None)
         else:
             rows = nn.functional.linear(hidden, head.weight)
