@@ -16,6 +16,7 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,gate_up_rows=32 -- latency ...  # gate/up + SiLU in one kernel to 32 rows
     python3 scripts/decode_step_probe.py default,persistent_up_to=4096 -- latency ...  # one-pass norms (below)
     python3 scripts/decode_step_probe.py default,head_rows=0 -- latency ...  # the LM head on cuBLAS at every batch
+    python3 scripts/decode_step_probe.py default,decode_full_pages=0 -- latency ...  # decode rows: every page partial
 
 persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
 two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048
@@ -33,7 +34,7 @@ import sys
 
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
-               "head_rows")
+               "head_rows", "decode_full_pages")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -85,7 +86,7 @@ def main() -> int:
     split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
     options, engine = parse(",".join(sys.argv[1:split]))
     what, *args = sys.argv[split + 1:] or ["latency"]
-    from flexengine.attention import layout
+    from flexengine.attention import layout, metadata
     from flexengine.attention.backends import flex
     from flexengine.compile import cuda_graphs
     from flexengine.layers import gemv, rotary
@@ -96,6 +97,7 @@ def main() -> int:
     rotary.ROTARY_STORE = bool(engine.get("rotary_store", rotary.ROTARY_STORE))
     gemv.GATE_UP_ROWS = engine.get("gate_up_rows", gemv.GATE_UP_ROWS)
     gemv.HEAD_ROWS = engine.get("head_rows", gemv.HEAD_ROWS)
+    metadata.DECODE_FULL_PAGES = bool(engine.get("decode_full_pages", metadata.DECODE_FULL_PAGES))
     if "persistent_up_to" in engine:
         persistent_reductions_up_to(engine["persistent_up_to"])
     if "blas" in engine:
@@ -104,7 +106,7 @@ def main() -> int:
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
           f"combo kernels up to batch {cuda_graphs.COMBO_UP_TO}; {layout.DECODE_PROGRAMS_PER_SM} split-KV programs per "
           f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; rotary + K/V store kernel {rotary.ROTARY_STORE}; gate/up + "
-          f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; persistent reductions up to "
+          f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; decode full page lists {metadata.DECODE_FULL_PAGES}; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)
     if what == "attention":

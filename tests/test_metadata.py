@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from attention_reference import PLAIN_MASKS
 from flexengine import masks
-from flexengine.attention.metadata import build_metadata, build_phys_to_logical, page_lists, workspace_lists
+from flexengine.attention import metadata
+from flexengine.attention.metadata import (build_metadata, build_phys_to_logical, decode_full_lists, page_lists,
+                                            workspace_lists)
 from flexengine.attention.layout import DEAD_KV0, KV_TILE, Q_TILE, plan_layout
 
 
@@ -302,3 +304,24 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
         # two come with the first mask. Sizes equal at the first trace (32 rows of 32) taken as one symbol made
         # 8 of the first mask's (compile/policy.py: without_duck_sizing)
         assert compile_count() - before <= (3 if case is not CASE_LIST[0] else 5), (case[0], compile_count() - before)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([8, 16]), CASES, st.lists(st.integers(1, 300), min_size=1, max_size=4), st.integers(0, 1000))
+def test_decode_rows_without_full_page_lists_list_every_page_as_partial(P, case, lens, seed):
+    """metadata.DECODE_FULL_PAGES off: one program a decode row still, no full list, and the partial list holds
+    exactly the pages the default lists hold as partial or full (the mask then decides every page's keys)."""
+    mask = masks.get_mask_mod(case[0])
+    lists = {}
+    for full_pages in (True, False):
+        meta, _ = make_step(random.Random(seed), [(L, 1) for L in lens], P)
+        assert meta.layout.kernel_splits == 1
+        with pytest.MonkeyPatch.context() as env:
+            env.setattr(metadata, "DECODE_FULL_PAGES", full_pages)
+            assert decode_full_lists(meta.layout) == full_pages
+            kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask, [])
+        lists[full_pages] = [sorted([int(x) for x in kv_idx[b, : kv_num[b]]] + [int(x) for x in full_idx[b, : full_num[b]]])
+                             for b in range(len(lens))]
+        if not full_pages:
+            assert int(full_num.sum()) == 0
+    assert lists[False] == lists[True]

@@ -164,6 +164,18 @@ def block_lists(lo, flo, fhi, hi, M: int):
     return ((flo - lo) + (hi - fhi)).int(), partial, (fhi - flo).int(), full
 
 
+# Decode rows of one program each list the pages the mask keeps whole apart (flex's template then evaluates the mask
+# only on the others, in a second loop with its own pipeline start); False: every page partial, one loop with the mask
+# everywhere (issue 16: a batch-32 row reads 2-3 pages, scripts/decode_step_probe.py decode_full_pages=0)
+DECODE_FULL_PAGES = True
+
+
+def decode_full_lists(layout: StepLayout) -> bool:
+    """Whether the decode rows' BlockMask has full page lists: DECODE_FULL_PAGES, and one program a row (flex splits
+    a row's partial list evenly, but its full list by the whole pool's length, so one program would read it all)."""
+    return DECODE_FULL_PAGES and layout.kernel_splits == 1
+
+
 def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor]):
     """Per decode row: the partial and the full page lists for `mask_mod`, as flex kv_* tensors [rows, M],
     logical pages mapped through the block table (so no page of another request can appear)."""
@@ -176,8 +188,8 @@ def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tenso
         hi = (lo + chunk).clamp(max=hi)
         flo, fhi = flo.clamp(lo, hi), fhi.clamp(lo, hi)
         fhi = torch.maximum(fhi, flo)
-    if meta.layout.kernel_splits > 1:  # all partial: flex splits a row's partial list evenly, but its full
-        flo = fhi = hi                   # list by the whole pool's length (its TILE_KV), so one program would read it
+    if not decode_full_lists(meta.layout):  # every page partial
+        flo = fhi = hi
     M = meta.block_tables.shape[1]
     kv_num, partial, full_num, full = block_lists(lo, flo, fhi, hi, M)
     tables = meta.block_tables[meta.span_req[rows]]

@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ...compile import compiled_on_first_use
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
-from ..metadata import AttentionMetadata, page_lists, tile_page_lists, workspace_lists
+from ..metadata import AttentionMetadata, decode_full_lists, page_lists, tile_page_lists, workspace_lists
 from ..layout import DEAD_KV0, KV_TILE, Q_TILE
 
 
@@ -225,9 +225,9 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
         M = meta.num_blocks
         lists = _compiled_decode_lists() if listed_only else decode_lists  # (listed_only: compiled, on CUDA)
         kv_num, kv_idx, full_num, full_idx = lists(meta, mask_mod, values, M)
-        # no full lists where the kernel splits (page_lists made every page partial): with any, flex's decode
-        # template splits by the pool's length, not the row's list
-        full = (None, None) if lay.kernel_splits > 1 else (
+        # no full lists where page_lists made every page partial (kernel splits: flex's decode template splits a
+        # full list by the pool's length, not the row's list)
+        full = (None, None) if not decode_full_lists(lay) else (
             full_num.view(Bd, 1, 1), _kept(out, "decode_full", full_idx).view(Bd, 1, 1, M))
         dec = BlockMask.from_kv_blocks(
             kv_num.view(Bd, 1, 1), _kept(out, "decode", kv_idx).view(Bd, 1, 1, M), *full,
