@@ -17,6 +17,8 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,persistent_up_to=4096 -- latency ...  # one-pass norms (below)
     python3 scripts/decode_step_probe.py default,head_rows=0 -- latency ...  # the LM head on cuBLAS at every batch
     python3 scripts/decode_step_probe.py default,decode_full_pages=0 -- latency ...  # decode rows: every page partial
+    python3 scripts/decode_step_probe.py default,down_split_rows=32 -- latency ...  # down's split-K summed in the norm
+    python3 scripts/decode_step_probe.py default,argmax_chunks=64 -- latency ...  # greedy argmax over 64 chunks a row
 
 persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
 two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048
@@ -34,7 +36,7 @@ import sys
 
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
-               "head_rows", "decode_full_pages")
+               "head_rows", "decode_full_pages", "down_split_rows", "argmax_chunks")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -89,7 +91,7 @@ def main() -> int:
     from flexengine.attention import layout, metadata
     from flexengine.attention.backends import flex
     from flexengine.compile import cuda_graphs
-    from flexengine.layers import gemv, rotary
+    from flexengine.layers import gemv, linear, rotary, sampler
     flex.DECODE_OPTIONS = options
     cuda_graphs.COMBO_UP_TO = engine.get("combo_up_to", cuda_graphs.COMBO_UP_TO)
     layout.DECODE_PROGRAMS_PER_SM = engine.get("programs_per_sm", layout.DECODE_PROGRAMS_PER_SM)
@@ -98,6 +100,10 @@ def main() -> int:
     gemv.GATE_UP_ROWS = engine.get("gate_up_rows", gemv.GATE_UP_ROWS)
     gemv.HEAD_ROWS = engine.get("head_rows", gemv.HEAD_ROWS)
     metadata.DECODE_FULL_PAGES = bool(engine.get("decode_full_pages", metadata.DECODE_FULL_PAGES))
+    linear.DOWN_SPLIT_ROWS = engine.get("down_split_rows", linear.DOWN_SPLIT_ROWS)
+    if "argmax_chunks" in engine:  # (that many chunks first, then the smaller defaults)
+        sampler.ARGMAX_CHUNKS = (engine["argmax_chunks"],) + tuple(c for c in sampler.ARGMAX_CHUNKS
+                                                                    if c < engine["argmax_chunks"])
     if "persistent_up_to" in engine:
         persistent_reductions_up_to(engine["persistent_up_to"])
     if "blas" in engine:
@@ -106,7 +112,9 @@ def main() -> int:
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
           f"combo kernels up to batch {cuda_graphs.COMBO_UP_TO}; {layout.DECODE_PROGRAMS_PER_SM} split-KV programs per "
           f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; rotary + K/V store kernel {rotary.ROTARY_STORE}; gate/up + "
-          f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; decode full page lists {metadata.DECODE_FULL_PAGES}; persistent reductions up to "
+          f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; "
+          f"decode full page lists {metadata.DECODE_FULL_PAGES}; down's split-K partial sums up to "
+          f"{linear.DOWN_SPLIT_ROWS} rows; argmax chunks {sampler.ARGMAX_CHUNKS}; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)
     if what == "attention":

@@ -1,6 +1,7 @@
 """The ops of steps of more than one row that fold a layer's small kernels: rotary.rotary_store (q and k rotated,
-k and v stored into the paged caches, one kernel) and gemv.gate_up_silu (gate/up with SiLU-and-mul; its kernels are
-tested in test_gemv.py). rotary_store's Triton kernel (run by Triton's interpreter on the CPU) against rotary and the
+k and v stored into the paged caches, one kernel), gemv.gate_up_silu (gate/up with SiLU-and-mul; its kernels are
+tested in test_gemv.py) and linear.down_split (the down projection as two float32 partial sums, added in the next
+norm). rotary_store's Triton kernel (run by Triton's interpreter on the CPU) against rotary and the
 store written plainly; the decoder's path through each op against its ordinary path, through the engine, eager and
 compiled."""
 from __future__ import annotations
@@ -15,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexengine import LLM, SamplingParams
-from flexengine.layers import rotary
+from flexengine.layers import linear, rotary
 from test_gemv import assert_same_tokens_and_logprobs, kernel_inputs, rotate
 
 pytest.importorskip("triton")
+COMPILE = torch.compile  # (before gpu_shaped_engines puts dynamo's eager backend in)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -91,6 +93,41 @@ def test_the_op_off_cuda_is_rotary_and_the_store():
     assert not k_cache.view(12, -1)[~written].any() and not v_cache.view(12, -1)[~written].any()
 
 
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 40), half=st.integers(1, 70), n=st.integers(1, 50), seed=st.integers(0, 2**16))
+def test_the_down_split_partial_sums_add_up_to_the_projection(tokens, half, n, seed):
+    """layers/linear.py's down_split: the float32 products of K's two halves, [2, T, N], which `summed` adds and
+    rounds to the model's dtype; against the projection written plainly (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(tokens, 2 * half, generator=g), torch.randn(n, 2 * half, generator=g)
+    parts = linear.down_split(x, w)
+    assert parts.shape == (2, tokens, n) and parts.dtype == torch.float32
+    want = x.double() @ w.double().T
+    torch.testing.assert_close(parts[0].double(), x[:, :half].double() @ w[:, :half].double().T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear.summed(parts, torch.float32).double(), want, rtol=1e-5, atol=1e-4)
+    assert linear.summed(parts, torch.bfloat16).dtype == torch.bfloat16
+    assert linear.summed(want, torch.float32) is want  # a projection's own output passes through
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bmm's float32 out_dtype is CUDA's")
+def test_the_down_split_on_the_gpu_equals_cublas_s_projection_eager_and_compiled():
+    """bf16 on CUDA: cuBLAS's batched product with float32 partial sums, eager and through a region compiled as the
+    engine's (dynamic rows, the sum and a norm after it), against F.linear's projection (rounded to bf16 once)."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(2048, 8192, generator=g) * 0.02).to("cuda", torch.bfloat16)
+    region = torch.compile(lambda x, r: torch.nn.functional.rms_norm(r + linear.summed(linear.down_split(x, w), r.dtype),
+                                                                     (2048,)), dynamic=True, fullgraph=True)
+    for rows in (2, 8, 32):
+        x = torch.randn(rows, 8192, generator=g).to("cuda", torch.bfloat16)
+        r = torch.randn(rows, 2048, generator=g).to("cuda", torch.bfloat16)
+        want = torch.nn.functional.linear(x, w)
+        got = linear.summed(linear.down_split(x, w), torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()  # bf16 rounding apart
+        torch.testing.assert_close(region(x, r), torch.nn.functional.rms_norm(r + want, (2048,)), rtol=2e-2, atol=2e-2)
+
+
 def generate(path, prompts, params, **config):
     llm = LLM(path, device="cpu", **config)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -102,8 +139,9 @@ PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids"
 
 
 # op → (the decoder's test of whether a step takes it, the families whose layers keep the ordinary path: Qwen3's
-# per-head norm comes between q/k/v and rotary; Gemma 2's MLP is gelu's)
-OPS = {"rotary_store": ("stores_rotary", {"qwen3"}), "gate_up_silu": ("takes_gate_up_silu", {"gemma2"})}
+# per-head norm comes between q/k/v and rotary; Gemma 2's MLP is gelu's, and a norm follows it)
+OPS = {"rotary_store": ("stores_rotary", {"qwen3"}), "gate_up_silu": ("takes_gate_up_silu", {"gemma2"}),
+       "down_split": ("takes_down_split", {"gemma2"})}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -143,16 +181,26 @@ def test_the_op_traces_in_the_compiled_regions_without_recompiles(op, gpu_shaped
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     config = dict(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128)
     rows = []  # counted inside the op's implementation, which dynamo does not trace: its store, or its arithmetic
-    module, name = (kv_cache, "write_kv") if op == "rotary_store" else (gemv, "_reference_gate_up_silu")
-    inner = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a: rows.append(a[2 if op == "rotary_store" else 0].shape[0]) or inner(*a))
+    if op == "down_split":  # plain torch ops, traced into the regions: the graphs that dynamo hands over are counted
+        def counting(gm, example_inputs):
+            rows.extend(2 for node in gm.graph.nodes if node.target is torch.bmm)
+            return gm.forward
+        monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kw: COMPILE(fn, **{**kw, "backend": counting}))
+    else:
+        module, name = (kv_cache, "write_kv") if op == "rotary_store" else (gemv, "_reference_gate_up_silu")
+        inner = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a: rows.append(a[2 if op == "rotary_store" else 0].shape[0])
+                            or inner(*a))
     monkeypatch.setattr(decoder, OPS[op][0], lambda x: True)
     llm = LLM(path, device="cpu", **config)
     assert llm.llm_engine.runner.static_shapes
     before, ran = compile_count(), len(rows)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert compile_count() == before, "a shape compiled after warm-up"
-    assert len(rows) > ran and max(rows[ran:]) > 1, rows[ran:]  # prefill and decode steps of several rows took it
+    if op == "down_split":
+        assert ran > 0, "no compiled region holds the split's product"
+    else:  # prefill and decode steps of several rows took it
+        assert len(rows) > ran and max(rows[ran:]) > 1, rows[ran:]
     monkeypatch.undo()
     gpu_shaped_engines()
     want = LLM(path, device="cpu", **config).generate(PROMPTS, params, use_tqdm=False)

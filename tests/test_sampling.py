@@ -265,15 +265,20 @@ def test_sampling_inputs_and_the_sampler_never_wait_for_the_device(async_schedul
 @settings(max_examples=200, deadline=None)
 @given(rows=st.integers(1, 140), chunk=st.sampled_from([1, 3, 7, 16]), parts=st.sampled_from([1, 16, 32, 256]),
        values=st.lists(st.sampled_from([0.0, 1.0, 2.0, float("-inf"), float("inf"), float("nan")]), min_size=1,
-                       max_size=4), seed=st.integers(0, 2 ** 16))
-def test_row_argmax_is_argmax_ties_and_nan_included(rows, chunk, parts, values, seed):
+                       max_size=4), seed=st.integers(0, 2 ** 16),
+       chunks=st.sampled_from([None, (64, 32, 16), (32, 16), (8,)]))
+def test_row_argmax_is_argmax_ties_and_nan_included(rows, chunk, parts, values, seed, chunks):
     """The two-pass argmax of small batches gives torch.argmax's index (the first maximum; NaN the maximum), on
-    rows drawn from a few values so that ties across chunks are common."""
-    from flexengine.layers.sampler import row_argmax
+    rows drawn from a few values so that ties across chunks are common; with the default chunk counts or others
+    (sampler.ARGMAX_CHUNKS)."""
+    from flexengine.layers import sampler
     g = torch.Generator().manual_seed(seed)
     V = chunk * parts
     x = torch.tensor(values)[torch.randint(len(values), (rows, V), generator=g)]
-    assert torch.equal(row_argmax(x), x.argmax(-1))
+    with pytest.MonkeyPatch.context() as m:
+        if chunks is not None:
+            m.setattr(sampler, "ARGMAX_CHUNKS", chunks)
+        assert torch.equal(sampler.row_argmax(x), x.argmax(-1))
 
 
 def test_compiled_temperature_sample_equals_eager(monkeypatch, tmp_path):

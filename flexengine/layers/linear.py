@@ -33,3 +33,36 @@ class MergedLinear(nn.Linear):
 
     def split_sizes(self) -> list[int]:
         return list(self.shards.values())
+
+
+# Up to this many rows (past one), the MLP's down projection (bias-free, one GPU) leaves its product as two float32
+# partial sums over the halves of K, which the next norm's kernel adds as it reads them: cuBLAS picks split-K for
+# that shape and then reduces in a kernel of its own (1.8 µs a layer at 32 rows, session 37's profile). 0: off.
+# H100, scripts/skinny_gemm_probe.py --split-k (session 38): down + residual sum + RMSNorm 19.8 -> 17.9 µs a layer at
+# 32 rows, 19.0 -> 17.5 at 8. The regions then hold a comparison of the row count: one more graph each side of it
+# (scripts/decode_step_probe.py down_split_rows=N times it in the engine)
+DOWN_SPLIT_ROWS = 0
+
+
+def takes_down_split(x: torch.Tensor) -> bool:
+    """Whether the down projection of x's rows leaves two partial sums (`down_split`): 2..DOWN_SPLIT_ROWS rows of a
+    16-bit model on CUDA (DOWN_SPLIT_ROWS first: while it is 0, no comparison of a dynamic row count)."""
+    return (DOWN_SPLIT_ROWS > 1 and 1 < x.shape[0] <= DOWN_SPLIT_ROWS and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def down_split(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T as the float32 partial sums of K's two halves, [2, T, N] (no copy of either operand: strided
+    batches); `summed` makes them the projection's output."""
+    (T, K), N = x.shape, weight.shape[0]
+    assert K % 2 == 0 and weight.shape[1] == K, (x.shape, weight.shape)
+    xs, ws = x.view(T, 2, K // 2).transpose(0, 1), weight.t().view(2, K // 2, N)
+    if x.is_cuda:
+        return torch.bmm(xs, ws, out_dtype=torch.float32)
+    return torch.bmm(xs.float(), ws.float())  # (bmm's out_dtype is CUDA's only; the CPU tests force this path)
+
+
+def summed(delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A projection's output [T, N]: `down_split`'s partial sums added and rounded to the model's dtype (as cuBLAS
+    rounds its own output), or the output itself."""
+    return delta if delta.dim() == 2 else delta.sum(0).to(dtype)

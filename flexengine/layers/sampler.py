@@ -199,6 +199,13 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, comp
     return chosen, rank, top.indices, top.values.float() - lse
 
 
+# The chunk counts row_argmax tries, largest first: the first that divides the vocabulary. Llama 3's 128,256 takes 256
+# chunks of 501 logits, rows that start off 16-byte alignment, so CUDA's reduction reads them without vector loads;
+# 64 chunks of 2,004 are aligned (issue 16: the max pass was 10 µs at batch 32, session 37's profile;
+# scripts/decode_step_probe.py argmax_chunks=64 times it)
+ARGMAX_CHUNKS = (256, 128, 64, 32, 16)
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) for [N, V], in two passes where N is small: CUDA's reduction gives each output row one block,
     so one row of a 128k vocabulary took 28 µs on the H100 (session 18's batch-1 profile), and 32 rows 27 µs (session
@@ -206,7 +213,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     first gives its first maximum, then the first chunk holding the row's maximum wins: the first maximal
     index, as argmax gives it (NaN counts as the maximum in both)."""
     N, V = x.shape
-    S = next((s for s in (256, 128, 64, 32, 16) if V % s == 0), 1)
+    S = next((s for s in ARGMAX_CHUNKS if V % s == 0), 1)
     if S == 1 or (not torch.compiler.is_compiling() and N >= 128):  # (traced: one graph for every N, no guard on N)
         return x.argmax(-1)
     best, where = x.view(N, S, V // S).max(-1)  # [N, S]

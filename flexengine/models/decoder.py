@@ -18,6 +18,7 @@ from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
 from ..layers import gemv as one_row_gemv
 from ..layers.gemv import gate_up_silu, gemv, head_rows, norm_gemv, norm_gemv_rope, one_row, takes_gate_up_silu
+from ..layers.linear import down_split, summed, takes_down_split
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rotary_store, stores_rotary
 from ..masks import causal, sliding_window, softcap
@@ -113,9 +114,13 @@ class DecoderMLP(nn.Module):
         self.gated_silu = self.act.name in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activated(x))
+
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        """The down projection's input: act(gate) * up."""
         if self.gated_silu and self.gate_up_proj.bias is None and takes_gate_up_silu(x):  # (layers/gemv.py)
-            return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+            return gate_up_silu(x, self.gate_up_proj.weight)
+        return self.act(self.gate_up_proj(x))
 
     def one_row(self, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """forward(norm(x + h)) for one row: the sum and the norm inside the gate/up projection's kernel, and SiLU's
@@ -149,6 +154,9 @@ class DecoderLayer(nn.Module):
         # steps of more rows: rotary and the K/V store in one kernel after the projection (layers/rotary.py), likewise
         # where no per-head norm comes between
         self.rotary_store = not spec.qk_norm
+        # and the down projection's two partial sums, which the next norm adds (layers/linear.py's DOWN_SPLIT_ROWS),
+        # where the MLP's addition goes straight to that norm: no bias, no norm after the MLP, one GPU
+        self.split_down = not spec.mlp_bias and not self.sandwich and tp_group().size == 1
 
     # The layer's work on either side of attention is two compiled regions on the CUDA engine (one
     # Inductor graph each, dynamic in T, shared by every layer); paged attention stays between them.
@@ -172,7 +180,7 @@ class DecoderLayer(nn.Module):
             q, k, v = attn.heads(qkv, cos, sin)
         else:
             if attn_delta is not None:
-                x = x + attn_delta + mlp_delta
+                x = x + attn_delta + summed(mlp_delta, x.dtype)
             attn = self.self_attn
             if self.rotary_store and stores_rotary(x) and k_cache.dtype == x.dtype:  # rotary and the store: one kernel
                 q = rotary_store(attn.qkv_proj(self.input_layernorm(x)), cos, sin, slot_mapping, k_cache, v_cache,
@@ -185,13 +193,16 @@ class DecoderLayer(nn.Module):
     @fused
     def attention_output_and_mlp(self, x, o):
         """→ (attention's addition to the residual stream x, the MLP's): the next layer or the final norm adds
-        them. x + attention's addition is consumed by the norm alone, so Inductor keeps it in that kernel."""
+        them. x + attention's addition is consumed by the norm alone, so Inductor keeps it in that kernel. The MLP's
+        may be the down projection's two float32 partial sums ([2, T, H], DOWN_SPLIT_ROWS), `summed` where added."""
         h = self.self_attn.out(o)
         if self.sandwich:
             h = self.post_attention_layernorm(h)
             return h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x + h)))
         if self.fold_mlp and one_row(x):
             return h, self.mlp.one_row(x, h, self.post_attention_layernorm)
+        if self.split_down and takes_down_split(x):  # [2, T, H] float32: the next norm's kernel adds them
+            return h, down_split(self.mlp.activated(self.post_attention_layernorm(x + h)), self.mlp.down_proj.weight)
         return h, self.mlp(self.post_attention_layernorm(x + h))
 
     def forward(self, x, deltas, cos, sin, meta):
@@ -258,7 +269,7 @@ class DecoderModel(nn.Module):
 
     @fused
     def final_norm(self, x, attn_delta, mlp_delta):
-        return self.norm(x + attn_delta + mlp_delta)
+        return self.norm(x + attn_delta + summed(mlp_delta, x.dtype))
 
 
 class DecoderForCausalLM(nn.Module):
