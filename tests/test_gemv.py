@@ -259,7 +259,8 @@ def test_the_lm_head_takes_the_rows_kernel_up_to_head_rows(monkeypatch):
     monkeypatch.setattr(G, "ENABLED", True)
     monkeypatch.setattr(G, "serves", lambda device, dtype: dtype == torch.bfloat16)
     rows = lambda n, dtype=torch.bfloat16: G.head_rows(torch.empty(n, 8, dtype=dtype))  # noqa: E731
-    for head, few, want in ((0, 0, [1]), (32, 0, [1, 2, 4, 8, 16, 32]), (0, 4, [1, 2, 4]), (8, 16, [1, 2, 4, 8, 16]), (64, 0, [1, 2, 4, 8, 16, 32, 33, 64])):
+    for head, few, want in ((0, 0, [1]), (32, 0, [1, 2, 4, 8, 16, 32]), (0, 4, [1, 2, 4]), (8, 16, [1, 2, 4, 8, 16]),
+                            (64, 0, [1, 2, 4, 8, 16, 32, 33, 64])):
         monkeypatch.setattr(G, "HEAD_ROWS", head)
         monkeypatch.setattr(G, "FEW_ROWS", few)
         assert [n for n in (1, 2, 4, 8, 16, 32, 33, 64) if rows(n)] == want, (head, few)

@@ -320,8 +320,8 @@ def test_decode_rows_without_full_page_lists_list_every_page_as_partial(P, case,
             env.setattr(metadata, "DECODE_FULL_PAGES", full_pages)
             assert decode_full_lists(meta.layout) == full_pages
             kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask, [])
-        lists[full_pages] = [sorted([int(x) for x in kv_idx[b, : kv_num[b]]] + [int(x) for x in full_idx[b, : full_num[b]]])
-                             for b in range(len(lens))]
+        lists[full_pages] = [sorted([int(x) for x in kv_idx[b, : kv_num[b]]]
+                                    + [int(x) for x in full_idx[b, : full_num[b]]]) for b in range(len(lens))]
         if not full_pages:
             assert int(full_num.sum()) == 0
     assert lists[False] == lists[True]
