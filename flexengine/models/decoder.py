@@ -155,8 +155,8 @@ class DecoderLayer(nn.Module):
         # where no per-head norm comes between
         self.rotary_store = not spec.qk_norm
         # and the down projection's two partial sums, which the next norm adds (layers/linear.py's DOWN_SPLIT_ROWS),
-        # where the MLP's addition goes straight to that norm: no bias, no norm after the MLP, one GPU
-        self.split_down = not spec.mlp_bias and not self.sandwich and tp_group().size == 1
+        # where the MLP's addition goes straight to that norm: no bias, one GPU (sandwich layers return before it)
+        self.split_down = not spec.mlp_bias and tp_group().size == 1
 
     # The layer's work on either side of attention is two compiled regions on the CUDA engine (one
     # Inductor graph each, dynamic in T, shared by every layer); paged attention stays between them.
