@@ -16,7 +16,7 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,gate_up_rows=32 -- latency ...  # gate/up + SiLU in one kernel to 32 rows
     python3 scripts/decode_step_probe.py default,persistent_up_to=4096 -- latency ...  # one-pass norms (below)
     python3 scripts/decode_step_probe.py default,head_rows=0 -- latency ...  # the LM head on cuBLAS at every batch
-    python3 scripts/decode_step_probe.py default,decode_full_pages=0 -- latency ...  # decode rows: every page partial
+    python3 scripts/decode_step_probe.py default,decode_partial_rows=32 -- latency ...  # decode steps of <= 32 rows: every page partial
     python3 scripts/decode_step_probe.py default,down_split_rows=32 -- latency ...  # down's split-K summed in the norm
     python3 scripts/decode_step_probe.py default,argmax_chunks=64 -- latency ...  # greedy argmax over 64 chunks a row
 
@@ -36,7 +36,7 @@ import sys
 
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
-               "head_rows", "decode_full_pages", "down_split_rows", "argmax_chunks")
+               "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -99,7 +99,7 @@ def main() -> int:
     rotary.ROTARY_STORE = bool(engine.get("rotary_store", rotary.ROTARY_STORE))
     gemv.GATE_UP_ROWS = engine.get("gate_up_rows", gemv.GATE_UP_ROWS)
     gemv.HEAD_ROWS = engine.get("head_rows", gemv.HEAD_ROWS)
-    metadata.DECODE_FULL_PAGES = bool(engine.get("decode_full_pages", metadata.DECODE_FULL_PAGES))
+    metadata.DECODE_PARTIAL_ROWS = engine.get("decode_partial_rows", metadata.DECODE_PARTIAL_ROWS)
     linear.DOWN_SPLIT_ROWS = engine.get("down_split_rows", linear.DOWN_SPLIT_ROWS)
     if "argmax_chunks" in engine:  # (that many chunks first, then the smaller defaults)
         sampler.ARGMAX_CHUNKS = (engine["argmax_chunks"],) + tuple(c for c in sampler.ARGMAX_CHUNKS
@@ -113,7 +113,7 @@ def main() -> int:
           f"combo kernels up to batch {cuda_graphs.COMBO_UP_TO}; {layout.DECODE_PROGRAMS_PER_SM} split-KV programs per "
           f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; rotary + K/V store kernel {rotary.ROTARY_STORE}; gate/up + "
           f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; "
-          f"decode full page lists {metadata.DECODE_FULL_PAGES}; down's split-K partial sums up to "
+          f"every decode page partial up to {metadata.DECODE_PARTIAL_ROWS} rows; down's split-K partial sums up to "
           f"{linear.DOWN_SPLIT_ROWS} rows; argmax chunks {sampler.ARGMAX_CHUNKS}; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)

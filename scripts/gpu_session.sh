@@ -66,6 +66,8 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 # step NAME CAP CMD...: CMD under min(CAP, budget left), output tee'd into $OUT/NAME.log
 step() {
   local name=$1 cap=$2; shift 2
+  local base=$name n=2
+  while [[ -e "$OUT/$name.log" ]]; do name="${base}_run$n"; n=$((n + 1)); done  # a repeated stage keeps the first's log
   local left=$(( BUDGET - ($(date +%s) - START) ))
   if (( left < 30 )); then STATUS+=("$name: SKIPPED (budget spent)"); return 1; fi
   (( cap > left )) && cap=$left

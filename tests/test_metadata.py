@@ -308,20 +308,23 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
 
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from([8, 16]), CASES, st.lists(st.integers(1, 300), min_size=1, max_size=4), st.integers(0, 1000))
-def test_decode_rows_without_full_page_lists_list_every_page_as_partial(P, case, lens, seed):
-    """metadata.DECODE_FULL_PAGES off: one program a decode row still, no full list, and the partial list holds
-    exactly the pages the default lists hold as partial or full (the mask then decides every page's keys)."""
+def test_decode_steps_of_few_rows_list_every_page_as_partial(P, case, lens, seed):
+    """Up to metadata.DECODE_PARTIAL_ROWS decode rows: one program a decode row still, no full list, and the partial
+    list holds exactly the pages the lists of a larger step hold as partial or full (the mask then decides every
+    page's keys)."""
     mask = masks.get_mask_mod(case[0])
     lists = {}
-    for full_pages in (True, False):
+    for partial_rows in (0, len(lens)):
         meta, _ = make_step(random.Random(seed), [(L, 1) for L in lens], P)
         assert meta.layout.kernel_splits == 1
         with pytest.MonkeyPatch.context() as env:
-            env.setattr(metadata, "DECODE_FULL_PAGES", full_pages)
-            assert decode_full_lists(meta.layout) == full_pages
+            env.setattr(metadata, "DECODE_PARTIAL_ROWS", partial_rows)
+            assert decode_full_lists(meta)  # on the CPU, always (Inductor's C++ flex kernel needs them)
+            env.setattr(metadata, "PARTIAL_ONLY_ON_CPU", True)
+            assert decode_full_lists(meta) == (partial_rows == 0)
             kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask, [])
-        lists[full_pages] = [sorted([int(x) for x in kv_idx[b, : kv_num[b]]]
-                                    + [int(x) for x in full_idx[b, : full_num[b]]]) for b in range(len(lens))]
-        if not full_pages:
+        lists[partial_rows] = [sorted([int(x) for x in kv_idx[b, : kv_num[b]]]
+                                      + [int(x) for x in full_idx[b, : full_num[b]]]) for b in range(len(lens))]
+        if partial_rows:
             assert int(full_num.sum()) == 0
-    assert lists[False] == lists[True]
+    assert lists[len(lens)] == lists[0]

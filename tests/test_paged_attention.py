@@ -191,6 +191,20 @@ def test_flex_bf16_on_gpu(case):
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches(max_len=300))
+def test_flex_decode_rows_without_full_lists_on_gpu(case):
+    """metadata.DECODE_PARTIAL_ROWS: decode rows whose every page is partial (flex's decode template without its
+    full-block loop; the CPU never takes it) against the dense reference."""
+    from flexengine.attention import metadata
+    with pytest.MonkeyPatch.context() as env, flex_prefill("triton"):
+        env.setattr(metadata, "DECODE_PARTIAL_ROWS", 64)
+        out, ref = run_case(case, "flex", dtype=torch.bfloat16, device="cuda")
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
 def document_mask(max_len=4096, doc_len=37):
     doc = (torch.arange(max_len, device="cuda") // doc_len).int()
 

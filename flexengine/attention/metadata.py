@@ -165,15 +165,23 @@ def block_lists(lo, flo, fhi, hi, M: int):
 
 
 # Decode rows of one program each list the pages the mask keeps whole apart (flex's template then evaluates the mask
-# only on the others, in a second loop with its own pipeline start); False: every page partial, one loop with the mask
-# everywhere (issue 16: a batch-32 row reads 2-3 pages, scripts/decode_step_probe.py decode_full_pages=0)
-DECODE_FULL_PAGES = True
+# only on the others, in a second loop with its own pipeline start). In steps of at most DECODE_PARTIAL_ROWS decode
+# rows every page is partial instead: one loop, the mask everywhere. A batch-32 row reads 2-3 pages, and the second
+# pipeline start cost ~20 us a step there (issue 16, scripts/decode_step_probe.py decode_partial_rows=32); 0: never.
+# Not on the CPU: Inductor's C++ flex kernel reads the full lists' counts even where the BlockMask has none and does
+# not compile (torch 2.13), and the CPU gains nothing from it.
+DECODE_PARTIAL_ROWS = 0
+PARTIAL_ONLY_ON_CPU = False  # (the lists' test turns it on: eager, no Inductor)
 
 
-def decode_full_lists(layout: StepLayout) -> bool:
-    """Whether the decode rows' BlockMask has full page lists: DECODE_FULL_PAGES, and one program a row (flex splits
-    a row's partial list evenly, but its full list by the whole pool's length, so one program would read it all)."""
-    return DECODE_FULL_PAGES and layout.kernel_splits == 1
+def decode_full_lists(meta: AttentionMetadata) -> bool:
+    """Whether the decode rows' BlockMask has full page lists: more than DECODE_PARTIAL_ROWS decode rows (or the
+    CPU), and one program a row (flex splits a row's partial list evenly, but its full list by the whole pool's
+    length, so one program would read it all)."""
+    lay = meta.layout
+    few = lay.num_decode * lay.decode_splits <= DECODE_PARTIAL_ROWS and (
+        meta.block_tables.is_cuda or PARTIAL_ONLY_ON_CPU)
+    return lay.kernel_splits == 1 and not few
 
 
 def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor]):
@@ -188,7 +196,7 @@ def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tenso
         hi = (lo + chunk).clamp(max=hi)
         flo, fhi = flo.clamp(lo, hi), fhi.clamp(lo, hi)
         fhi = torch.maximum(fhi, flo)
-    if not decode_full_lists(meta.layout):  # every page partial
+    if not decode_full_lists(meta):  # every page partial
         flo = fhi = hi
     M = meta.block_tables.shape[1]
     kv_num, partial, full_num, full = block_lists(lo, flo, fhi, hi, M)

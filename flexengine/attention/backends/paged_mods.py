@@ -227,7 +227,7 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
         kv_num, kv_idx, full_num, full_idx = lists(meta, mask_mod, values, M)
         # no full lists where page_lists made every page partial (kernel splits: flex's decode template splits a
         # full list by the pool's length, not the row's list)
-        full = (None, None) if not decode_full_lists(lay) else (
+        full = (None, None) if not decode_full_lists(meta) else (
             full_num.view(Bd, 1, 1), _kept(out, "decode_full", full_idx).view(Bd, 1, 1, M))
         dec = BlockMask.from_kv_blocks(
             kv_num.view(Bd, 1, 1), _kept(out, "decode", kv_idx).view(Bd, 1, 1, M), *full,
