@@ -179,8 +179,9 @@ def decode_full_lists(meta: AttentionMetadata) -> bool:
     CPU), and one program a row (flex splits a row's partial list evenly, but its full list by the whole pool's
     length, so one program would read it all)."""
     lay = meta.layout
-    few = lay.num_decode * lay.decode_splits <= DECODE_PARTIAL_ROWS and (
-        meta.block_tables.is_cuda or PARTIAL_ONLY_ON_CPU)
+    # the row count compared last: under dynamo a comparison of a symbolic size is a guard (and a graph each side)
+    few = DECODE_PARTIAL_ROWS > 0 and (meta.block_tables.is_cuda or PARTIAL_ONLY_ON_CPU) and (
+        lay.num_decode * lay.decode_splits <= DECODE_PARTIAL_ROWS)
     return lay.kernel_splits == 1 and not few
 
 
