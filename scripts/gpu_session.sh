@@ -82,9 +82,11 @@ step() {
 MODEL8B_DIR=${MODEL8B_DIR:-/dev/shm/llama8b}
 FA4_PATH=  # set by the fa4 stage once FlashAttention-4 imports and passes its smoke test
 
+# (weights drawn on the GPU since session 39: 52-70 s on the CPU each fresh box; other weights than the CPU's draw, which
+# no step time depends on, and every comparison with transformers reads the same checkpoint in the same call)
 model() {
   [[ -f $MODEL_DIR/config.json ]] || step make_model 150 python3 -m flexengine.cli make-model --preset llama-3.2-1b \
-    --out "$MODEL_DIR" --dtype bfloat16
+    --out "$MODEL_DIR" --dtype bfloat16 --device cuda
 }
 
 # latency_4k B: `bench latency`'s arguments at batch B (128 in, 256 out) on a 4,096-token engine, which builds in
