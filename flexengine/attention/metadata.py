@@ -167,10 +167,11 @@ def block_lists(lo, flo, fhi, hi, M: int):
 # Decode rows of one program each list the pages the mask keeps whole apart (flex's template then evaluates the mask
 # only on the others, in a second loop with its own pipeline start). In steps of at most DECODE_PARTIAL_ROWS decode
 # rows every page is partial instead: one loop, the mask everywhere. A batch-32 row reads 2-3 pages, and the second
-# pipeline start cost ~20 us a step there (issue 16, scripts/decode_step_probe.py decode_partial_rows=32); 0: never.
+# pipeline start cost ~20 us a step there on one box, nothing on another (issue 16, scripts/decode_step_probe.py
+# decode_partial_rows=N; sessions 39-40); 0: never.
 # Not on the CPU: Inductor's C++ flex kernel reads the full lists' counts even where the BlockMask has none and does
 # not compile (torch 2.13), and the CPU gains nothing from it.
-DECODE_PARTIAL_ROWS = 0
+DECODE_PARTIAL_ROWS = 32
 PARTIAL_ONLY_ON_CPU = False  # (the lists' test turns it on: eager, no Inductor)
 
 

@@ -40,15 +40,17 @@ class MergedLinear(nn.Linear):
 # that shape and then reduces in a kernel of its own (1.8 µs a layer at 32 rows, session 37's profile). 0: off.
 # H100, scripts/skinny_gemm_probe.py --split-k (session 38): down + residual sum + RMSNorm 19.8 -> 17.9 µs a layer at
 # 32 rows, 19.0 -> 17.5 at 8. The regions then hold a comparison of the row count: one more graph each side of it
-# (scripts/decode_step_probe.py down_split_rows=N times it in the engine)
-DOWN_SPLIT_ROWS = 0
+# (scripts/decode_step_probe.py down_split_rows=N times it in the engine). On from session 40, with DECODE_PARTIAL_ROWS:
+# the pair -25 µs at 8 rows, ±0 to -35 at 32 (docs/benchmarks.md, sessions 39-40)
+DOWN_SPLIT_ROWS = 32
 
 
 def takes_down_split(x: torch.Tensor) -> bool:
     """Whether the down projection of x's rows leaves two partial sums (`down_split`): 2..DOWN_SPLIT_ROWS rows of a
-    16-bit model on CUDA (DOWN_SPLIT_ROWS first: while it is 0, no comparison of a dynamic row count)."""
-    return (DOWN_SPLIT_ROWS > 1 and 1 < x.shape[0] <= DOWN_SPLIT_ROWS and x.is_cuda
-            and x.dtype in (torch.bfloat16, torch.float16))
+    16-bit model on CUDA (the CPU and a switched-off DOWN_SPLIT_ROWS compare no dynamic row count)."""
+    # the row count compared last: under dynamo a comparison of a symbolic size is a guard (and a graph each side)
+    return (DOWN_SPLIT_ROWS > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and 1 < x.shape[0] <= DOWN_SPLIT_ROWS)
 
 
 def down_split(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
