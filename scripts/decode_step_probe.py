@@ -19,6 +19,12 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,decode_partial_rows=32 -- latency ...  # decode steps of <= 32 rows: every page partial
     python3 scripts/decode_step_probe.py default,down_split_rows=32 -- latency ...  # down's split-K summed in the norm
     python3 scripts/decode_step_probe.py default,argmax_chunks=64 -- latency ...  # greedy argmax over 64 chunks a row
+    python3 scripts/decode_step_probe.py default,heads_as_rows=32 -- latency ...  # decode on flex's attention template
+    python3 scripts/decode_step_probe.py default,heads_as_rows=32,heads_block_n=128,heads_num_warps=4 -- latency ...
+
+heads_as_rows=N: decode-only steps of up to N rows on flex's attention template, each KV head's query heads as its
+query rows (flex.DECODE_HEAD_ROWS; no normalising kernel after the decode template's float32 accumulator);
+heads_block_n / heads_num_warps / heads_num_stages: that template's tile (flex.HEAD_ROWS_TILES).
 
 persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
 two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048
@@ -36,7 +42,8 @@ import sys
 
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
-               "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks")
+               "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks", "heads_as_rows",
+               "heads_block_n", "heads_num_warps", "heads_num_stages")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -101,6 +108,10 @@ def main() -> int:
     gemv.HEAD_ROWS = engine.get("head_rows", gemv.HEAD_ROWS)
     metadata.DECODE_PARTIAL_ROWS = engine.get("decode_partial_rows", metadata.DECODE_PARTIAL_ROWS)
     linear.DOWN_SPLIT_ROWS = engine.get("down_split_rows", linear.DOWN_SPLIT_ROWS)
+    flex.DECODE_HEAD_ROWS = engine.get("heads_as_rows", flex.DECODE_HEAD_ROWS)
+    flex.HEAD_ROWS_TILES = {**flex.HEAD_ROWS_TILES, **{k[len("heads_"):].replace("block_n", "BLOCK_N"): v
+                                                       for k, v in engine.items() if k.startswith("heads_")
+                                                       and k != "heads_as_rows"}}
     if "argmax_chunks" in engine:  # (that many chunks first, then the smaller defaults)
         sampler.ARGMAX_CHUNKS = (engine["argmax_chunks"],) + tuple(c for c in sampler.ARGMAX_CHUNKS
                                                                     if c < engine["argmax_chunks"])
@@ -114,7 +125,8 @@ def main() -> int:
           f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; rotary + K/V store kernel {rotary.ROTARY_STORE}; gate/up + "
           f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; "
           f"every decode page partial up to {metadata.DECODE_PARTIAL_ROWS} rows; down's split-K partial sums up to "
-          f"{linear.DOWN_SPLIT_ROWS} rows; argmax chunks {sampler.ARGMAX_CHUNKS}; persistent reductions up to "
+          f"{linear.DOWN_SPLIT_ROWS} rows; decode on the attention template, query heads as rows, up to "
+          f"{flex.DECODE_HEAD_ROWS} rows (tiles {flex.HEAD_ROWS_TILES}); argmax chunks {sampler.ARGMAX_CHUNKS}; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)
     if what == "attention":

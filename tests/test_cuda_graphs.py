@@ -283,6 +283,29 @@ def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, en
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
+def test_decode_with_heads_as_rows_compiles_nothing_after_warm_up(gpu_shaped_engines, monkeypatch):
+    """flex.DECODE_HEAD_ROWS on the CUDA engine's path on the CPU: decode-only steps of up to 4 rows run flex's
+    attention template with each KV head's query heads as its rows; the warm-up compiles them, mixed traffic adds no
+    graph, and the tokens are the plain engine's."""
+    from flexengine.attention.backends import flex
+    monkeypatch.setattr(flex, "DECODE_HEAD_ROWS", 4)
+    monkeypatch.setattr(flex, "HEAD_ROWS_ON_CPU", True)
+    groups = []  # the query heads per KV head of each step that took it
+    made = flex.FlexBackend.head_rows_mods
+    monkeypatch.setattr(flex.FlexBackend, "head_rows_mods", lambda self, *a: groups.append(a[-1]) or made(self, *a))
+    prompts, params = mixed_traffic(temperature=0)
+    config = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=128)
+    static = LLM(**config)
+    assert static.llm_engine.runner.static_shapes
+    before, warm_up = compile_count(), len(groups)
+    got = static.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up"
+    assert warm_up > 0 and len(groups) > warm_up and min(groups) > 1, groups  # (the tiny model's GQA: groups of 2+)
+    gpu_shaped_engines()
+    expected = LLM(**config, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logprobs_and_prompt_logprobs_compile_nothing_after_warm_up(gpu_shaped_engines, dtype):
     """The prompt-logprob scoring, in the model dtype (bfloat16 as on a GPU, and float32), is compiled by the

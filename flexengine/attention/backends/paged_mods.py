@@ -73,13 +73,14 @@ def _query(meta: AttentionMetadata, decode: bool, b, q_idx):
 
 
 def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: bool = False, workspace: bool = False,
-               direct: bool = False):
+               direct: bool = False, group: int = 0):
     """The user's logical mask on the pool's physical coordinates (or, for prefill rows with
     `workspace`, the workspace's); `listed_only`: the kernel visits only the blocks in the BlockMask's
     lists (compiled flex on CUDA); `direct`: prefill rows of the compiled kernel reading the pool's pages in
-    place (tile_page_lists), int32 throughout."""
+    place (tile_page_lists), int32 throughout; `group`: decode rows whose query rows are the `group` query heads
+    of a KV head (head_rows_block_mask)."""
     values = param_values(meta, mask_mod, MASK_ARGS)
-    assert not (decode and (workspace or direct))
+    assert not (decode and (workspace or direct)) and (decode or not group)
 
     rows = _prefill_rows(meta) if workspace or direct else None
     P, width = meta.block_size, meta.block_tables.shape[1]
@@ -87,6 +88,8 @@ def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: boo
     limit = _prefill_limits(meta) if direct else None
 
     def mask(b, h, q_idx, kv_idx):
+        if group:  # flex's head h is a KV head, its query row q_idx the query head within h's group
+            h = h * group + q_idx
         if workspace:  # a block of another request, or any block for a dead row (kv0 = DEAD_KV0): lkv out of range
             req, q_pos, kv0 = rows[0][q_idx], rows[1][q_idx], rows[2][q_idx]
             lkv = kv_idx - kv0
@@ -164,17 +167,22 @@ def reads_coordinates(score_mod) -> bool:
     return False
 
 
-def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: bool = False, direct: bool = False):
+def paged_score(meta: AttentionMetadata, score_mod, decode: bool, workspace: bool = False, direct: bool = False,
+                group: int = 0):
+    """The user's logical score mod on the physical coordinates, as paged_mask's mask."""
     if score_mod is None:
         return None
     if not reads_coordinates(score_mod):
         return score_mod  # the same on every coordinate system
     values = param_values(meta, score_mod, SCORE_ARGS)
     P = meta.block_size
+    assert decode or not group
 
     rows = _prefill_rows(meta) if workspace or direct else None
 
     def score(s, b, h, q_idx, kv_idx):
+        if group:  # (paged_mask's)
+            h = h * group + q_idx
         if workspace:
             req, q_pos, lkv = rows[0][q_idx], rows[1][q_idx], kv_idx - rows[2][q_idx]
         else:  # the pool's coordinates (direct: the prefill rows as int32)
@@ -253,6 +261,15 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
             BLOCK_SIZE=(Q_TILE, KV_TILE), mask_mod=paged_mask(meta, mask_mod, False, listed_only, workspace=True),
             seq_lengths=(Tp * Q_TILE, kv_len), compute_q_blocks=False)
     return dec, pre
+
+
+def head_rows_block_mask(meta: AttentionMetadata, dec: BlockMask, mask_mod, group: int, listed_only: bool) -> BlockMask:
+    """The decode BlockMask `dec` of `mask_mod` for flex's attention template over decode rows [T, Hkv, group, D]:
+    each KV head's `group` query heads as its query rows, under the same page lists (one q block)."""
+    return BlockMask.from_kv_blocks(
+        dec.kv_num_blocks, dec.kv_indices, dec.full_kv_num_blocks, dec.full_kv_indices, BLOCK_SIZE=dec.BLOCK_SIZE,
+        mask_mod=paged_mask(meta, mask_mod, True, listed_only, group=group), seq_lengths=(group, dec.seq_lengths[1]),
+        compute_q_blocks=False)
 
 
 def decode_lists(meta: AttentionMetadata, mask_mod, values: list[torch.Tensor], num_blocks: int):
