@@ -22,9 +22,9 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,heads_as_rows=32 -- latency ...  # decode on flex's attention template
     python3 scripts/decode_step_probe.py default,heads_as_rows=32,heads_block_n=128,heads_num_warps=4 -- latency ...
 
-heads_as_rows=N: decode-only steps of up to N rows on flex's attention template, each KV head's query heads as its
-query rows (flex.DECODE_HEAD_ROWS; no normalising kernel after the decode template's float32 accumulator);
-heads_block_n / heads_num_warps / heads_num_stages: that template's tile (flex.HEAD_ROWS_TILES).
+heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
+query rows (flex.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
+heads_block_n / heads_num_warps / heads_num_stages: that template's tile (flex.HEADS_AS_ROWS_TILES).
 
 persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
 two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048
@@ -108,8 +108,8 @@ def main() -> int:
     gemv.HEAD_ROWS = engine.get("head_rows", gemv.HEAD_ROWS)
     metadata.DECODE_PARTIAL_ROWS = engine.get("decode_partial_rows", metadata.DECODE_PARTIAL_ROWS)
     linear.DOWN_SPLIT_ROWS = engine.get("down_split_rows", linear.DOWN_SPLIT_ROWS)
-    flex.DECODE_HEAD_ROWS = engine.get("heads_as_rows", flex.DECODE_HEAD_ROWS)
-    flex.HEAD_ROWS_TILES = {**flex.HEAD_ROWS_TILES, **{k[len("heads_"):].replace("block_n", "BLOCK_N"): v
+    flex.DECODE_HEADS_AS_ROWS = engine.get("heads_as_rows", flex.DECODE_HEADS_AS_ROWS)
+    flex.HEADS_AS_ROWS_TILES = {**flex.HEADS_AS_ROWS_TILES, **{k[len("heads_"):].replace("block_n", "BLOCK_N"): v
                                                        for k, v in engine.items() if k.startswith("heads_")
                                                        and k != "heads_as_rows"}}
     if "argmax_chunks" in engine:  # (that many chunks first, then the smaller defaults)
@@ -126,7 +126,7 @@ def main() -> int:
           f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; "
           f"every decode page partial up to {metadata.DECODE_PARTIAL_ROWS} rows; down's split-K partial sums up to "
           f"{linear.DOWN_SPLIT_ROWS} rows; decode on the attention template, query heads as rows, up to "
-          f"{flex.DECODE_HEAD_ROWS} rows (tiles {flex.HEAD_ROWS_TILES}); argmax chunks {sampler.ARGMAX_CHUNKS}; persistent reductions up to "
+          f"{flex.DECODE_HEADS_AS_ROWS} rows (tiles {flex.HEADS_AS_ROWS_TILES}); argmax chunks {sampler.ARGMAX_CHUNKS}; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)
     if what == "attention":

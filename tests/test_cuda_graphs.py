@@ -284,15 +284,15 @@ def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, en
 
 
 def test_decode_with_heads_as_rows_compiles_nothing_after_warm_up(gpu_shaped_engines, monkeypatch):
-    """flex.DECODE_HEAD_ROWS on the CUDA engine's path on the CPU: decode-only steps of up to 4 rows run flex's
+    """flex.DECODE_HEADS_AS_ROWS on the CUDA engine's path on the CPU: decode-only steps of up to 4 rows run flex's
     attention template with each KV head's query heads as its rows; the warm-up compiles them, mixed traffic adds no
     graph, and the tokens are the plain engine's."""
     from flexengine.attention.backends import flex
-    monkeypatch.setattr(flex, "DECODE_HEAD_ROWS", 4)
-    monkeypatch.setattr(flex, "HEAD_ROWS_ON_CPU", True)
+    monkeypatch.setattr(flex, "DECODE_HEADS_AS_ROWS", 4)
+    monkeypatch.setattr(flex, "HEADS_AS_ROWS_ON_CPU", True)
     groups = []  # the query heads per KV head of each step that took it
-    made = flex.FlexBackend.head_rows_mods
-    monkeypatch.setattr(flex.FlexBackend, "head_rows_mods", lambda self, *a: groups.append(a[-1]) or made(self, *a))
+    made = flex.FlexBackend.heads_as_rows_mods
+    monkeypatch.setattr(flex.FlexBackend, "heads_as_rows_mods", lambda self, *a: groups.append(a[-1]) or made(self, *a))
     prompts, params = mixed_traffic(temperature=0)
     config = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=128)
     static = LLM(**config)

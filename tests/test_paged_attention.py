@@ -210,12 +210,12 @@ def test_flex_decode_rows_without_full_lists_on_gpu(case):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(batches(max_len=300, decode_only=True), batches(max_len=300)))
 def test_flex_decode_with_heads_as_rows_on_gpu(case):
-    """flex.DECODE_HEAD_ROWS: decode rows (of decode-only and of mixed steps) on flex's attention template, each KV
+    """flex.DECODE_HEADS_AS_ROWS: decode rows (of decode-only and of mixed steps) on flex's attention template, each KV
     head's query heads as its query rows, against the dense reference (head-dependent masks and score mods among
     the drawn ones)."""
     from flexengine.attention.backends import flex
     with pytest.MonkeyPatch.context() as env:
-        env.setattr(flex, "DECODE_HEAD_ROWS", 64)
+        env.setattr(flex, "DECODE_HEADS_AS_ROWS", 64)
         out, ref = run_case(case, "flex", dtype=torch.bfloat16, device="cuda")
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
@@ -227,24 +227,24 @@ def test_flex_decode_with_heads_as_rows_on_gpu(case):
      lambda s, b, h, q, kv: 2.0 * math.tanh(s / 2.0))])
 @pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 33, 1, 4]])
 def test_compiled_decode_with_heads_as_rows_on_cpu(mask, plain, score, plain_score, query_lens, monkeypatch):
-    """The decode rows' query heads as flex's query rows ([rows, Hkv, G, D], flex.DECODE_HEAD_ROWS), through the
+    """The decode rows' query heads as flex's query rows ([rows, Hkv, G, D], flex.DECODE_HEADS_AS_ROWS), through the
     CPU's compiled flex, in a decode-only step (the rows in place) and a mixed one: the mods must see each row's
     query head (h * G + the row) and the request's last position."""
     from flexengine.attention.backends import flex as flex_backend
     from flexengine.attention.layout import plan_layout
     from flexengine.attention.metadata import build_metadata
-    monkeypatch.setattr(flex_backend, "DECODE_HEAD_ROWS", 8)
-    monkeypatch.setattr(flex_backend, "HEAD_ROWS_ON_CPU", True)
+    monkeypatch.setattr(flex_backend, "DECODE_HEADS_AS_ROWS", 8)
+    monkeypatch.setattr(flex_backend, "HEADS_AS_ROWS_ON_CPU", True)
     seq_lens = [70, 33, 5, 17]
     q, kc, vc, tables = make_paged_batch(random.Random(3), seq_lens, query_lens, 16, 8, 2, 16)
     backend = flex_backend.FlexBackend(compile=True)
     layout = plan_layout(query_lens, seq_lens, block_size=16)
-    assert layout.decode_in_place == (max(query_lens) == 1) and flex_backend.takes_head_rows(layout, q)
+    assert layout.decode_in_place == (max(query_lens) == 1) and flex_backend.takes_heads_as_rows(layout, q)
     meta = build_metadata(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
                           torch.empty(0, dtype=torch.long), layout, 16, kc.shape[0])
     meta.backend = backend
     out = backend.forward(q, kc, vc, meta, mask, score, 0.25)
-    assert "head_rows" in meta.backend_state  # (the path under test ran)
+    assert "heads_as_rows" in meta.backend_state  # (the path under test ran)
     ref = dense_paged_attention(q, kc, vc, tables, seq_lens, query_lens, plain, plain_score, scale=0.25)
     torch.testing.assert_close(out.double(), ref, atol=3e-4, rtol=3e-4)
 

@@ -28,7 +28,7 @@ from ..metadata import AttentionMetadata, build_phys_to_logical
 from ..layout import KV_TILE, Q_TILE
 from ..split_kv import merge_splits_into
 from ..workspace import gather_pages
-from .paged_mods import build_block_masks, head_rows_block_mask, paged_mask, paged_score
+from .paged_mods import build_block_masks, heads_as_rows_block_mask, paged_mask, paged_score
 from .prefill_kernel import PrefillKernel
 
 
@@ -93,25 +93,25 @@ def decode_kernel_options(P: int, splits: int, query: torch.Tensor) -> dict:
 # launches: session 36's profile), where the attention template writes the output itself. A mixed step's decode rows
 # take it too, so that they compile no other kernel than the decode-only steps' of their bucket. 0: never (the
 # default until timed: scripts/decode_step_probe.py heads_as_rows=N).
-DECODE_HEAD_ROWS = 0
-HEAD_ROWS_ON_CPU = False  # (a test hook: the CPU's compiled flex then takes it too)
+DECODE_HEADS_AS_ROWS = 0
+HEADS_AS_ROWS_ON_CPU = False  # (a test hook: the CPU's compiled flex then takes it too)
 
 
-def takes_head_rows(lay, query: torch.Tensor) -> bool:
-    """Whether a step's decode rows run on flex's attention template with query heads as rows (DECODE_HEAD_ROWS)."""
-    return (DECODE_HEAD_ROWS > 0 and (query.is_cuda or HEAD_ROWS_ON_CPU) and lay.kernel_splits == 1
-            and lay.num_decode <= DECODE_HEAD_ROWS)
+def takes_heads_as_rows(lay, query: torch.Tensor) -> bool:
+    """Whether a step's decode rows run on flex's attention template with query heads as rows (DECODE_HEADS_AS_ROWS)."""
+    return (DECODE_HEADS_AS_ROWS > 0 and (query.is_cuda or HEADS_AS_ROWS_ON_CPU) and lay.kernel_splits == 1
+            and lay.num_decode <= DECODE_HEADS_AS_ROWS)
 
 
-HEAD_ROWS_TILES = {"BLOCK_N": 64}  # (scripts/decode_step_probe.py heads_block_n=..., heads_num_warps=..., ...)
+HEADS_AS_ROWS_TILES = {"BLOCK_N": 64}  # (scripts/decode_step_probe.py heads_block_n=..., heads_num_warps=..., ...)
 
 
-def head_rows_kernel_options(P: int, query: torch.Tensor) -> dict:
+def heads_as_rows_kernel_options(P: int, query: torch.Tensor) -> dict:
     """flex's attention template for rows of a few query heads: the smallest tile of rows (16, for tl.dot) and a KV
     tile that divides the page; the CPU's template takes no options."""
     if not query.is_cuda:
         return {}
-    options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16, **HEAD_ROWS_TILES}
+    options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16, **HEADS_AS_ROWS_TILES}
     options["BLOCK_N"] = min(P, options["BLOCK_N"])
     return options
 
@@ -229,25 +229,25 @@ class FlexBackend:
                 scores[score_mod] = (paged_score(view, score_mod, True),
                                      paged_score(view, score_mod, False, workspace=compiled and not direct, direct=direct))
 
-    def decode_head_rows(self, flex, query, k, v, meta: AttentionMetadata, mask_mod, score_mod, scale):
-        """Decode rows' attention on flex's attention template (takes_head_rows): query [rows, Hq, D] as
+    def decode_heads_as_rows(self, flex, query, k, v, meta: AttentionMetadata, mask_mod, score_mod, scale):
+        """Decode rows' attention on flex's attention template (takes_heads_as_rows): query [rows, Hq, D] as
         [rows, Hkv, G, D], each KV head's G query heads its query rows, no GQA in the kernel → [rows, Hq, D]."""
         rows, Hq, D = query.shape
         Hkv, P = k.shape[1], meta.block_size
         G = Hq // Hkv
-        block_mask, score = self.head_rows_mods(meta, mask_mod, score_mod, G)
+        block_mask, score = self.heads_as_rows_mods(meta, mask_mod, score_mod, G)
         out = flex(query.reshape(rows, Hkv, G, D), k, v, score_mod=score, block_mask=block_mask, scale=scale,
-                   kernel_options=head_rows_kernel_options(P, query))
+                   kernel_options=heads_as_rows_kernel_options(P, query))
         return out.reshape(rows, Hq, D)
 
-    def head_rows_mods(self, meta: AttentionMetadata, mask_mod, score_mod, group: int):
-        """The decode BlockMask and score mod for query heads as rows (takes_head_rows), made once per step from
+    def heads_as_rows_mods(self, meta: AttentionMetadata, mask_mod, score_mod, group: int):
+        """The decode BlockMask and score mod for query heads as rows (takes_heads_as_rows), made once per step from
         prepare's decode BlockMask: the same page lists."""
-        made = meta.backend_state.setdefault("head_rows", {})
+        made = meta.backend_state.setdefault("heads_as_rows", {})
         key = (mask_mod, score_mod, group)
         if key not in made:
             listed_only = meta.block_tables.is_cuda  # (the compiled kernel visits the listed pages alone there)
-            made[key] = (head_rows_block_mask(meta, meta.backend_state["masks"][mask_mod][0], mask_mod, group,
+            made[key] = (heads_as_rows_block_mask(meta, meta.backend_state["masks"][mask_mod][0], mask_mod, group,
                                               listed_only),
                          paged_score(meta, score_mod, True, group=group))
         return made[key]
@@ -336,9 +336,9 @@ class FlexBackend:
         flex = self.flex_fn()
         gqa = Hq != Hkv
         opts = {"kernel_options": decode_kernel_options(P, lay.kernel_splits, query)}
-        head_rows = takes_head_rows(lay, query)
-        if lay.decode_in_place and head_rows:
-            return self.decode_head_rows(flex, query, k, v, meta, mask_mod, score_mod, scale)
+        heads_as_rows = takes_heads_as_rows(lay, query)
+        if lay.decode_in_place and heads_as_rows:
+            return self.decode_heads_as_rows(flex, query, k, v, meta, mask_mod, score_mod, scale)
         if lay.decode_in_place:  # [T, Hq, 1, D] in, out: at S = 1 a gather and a scatter launch fewer per layer
             return flex(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
                         **opts)[:, :, 0]
@@ -356,8 +356,8 @@ class FlexBackend:
         if lay.num_decode:  # padding decode rows have no token row (dst -1): dropped
             qd = query[meta.decode_src].unsqueeze(2)  # [Bd * S, Hq, 1, D]
             S = lay.decode_splits
-            if S == 1 and head_rows:  # (the decode-only steps' kernel: a mixed step's rows compile nothing more)
-                od = self.decode_head_rows(flex, query[meta.decode_src], k, v, meta, mask_mod, score_mod, scale)
+            if S == 1 and heads_as_rows:  # (the decode-only steps' kernel: a mixed step's rows compile nothing more)
+                od = self.decode_heads_as_rows(flex, query[meta.decode_src], k, v, meta, mask_mod, score_mod, scale)
                 merge_splits_into(out, meta.decode_dst, od, None, 1)
             elif S == 1:
                 od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa, **opts)

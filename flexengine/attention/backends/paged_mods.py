@@ -78,7 +78,7 @@ def paged_mask(meta: AttentionMetadata, mask_mod, decode: bool, listed_only: boo
     `workspace`, the workspace's); `listed_only`: the kernel visits only the blocks in the BlockMask's
     lists (compiled flex on CUDA); `direct`: prefill rows of the compiled kernel reading the pool's pages in
     place (tile_page_lists), int32 throughout; `group`: decode rows whose query rows are the `group` query heads
-    of a KV head (head_rows_block_mask)."""
+    of a KV head (heads_as_rows_block_mask)."""
     values = param_values(meta, mask_mod, MASK_ARGS)
     assert not (decode and (workspace or direct)) and (decode or not group)
 
@@ -263,7 +263,7 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
     return dec, pre
 
 
-def head_rows_block_mask(meta: AttentionMetadata, dec: BlockMask, mask_mod, group: int, listed_only: bool) -> BlockMask:
+def heads_as_rows_block_mask(meta: AttentionMetadata, dec: BlockMask, mask_mod, group: int, listed_only: bool) -> BlockMask:
     """The decode BlockMask `dec` of `mask_mod` for flex's attention template over decode rows [T, Hkv, group, D]:
     each KV head's `group` query heads as its query rows, under the same page lists (one q block)."""
     return BlockMask.from_kv_blocks(
