@@ -284,9 +284,9 @@ def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, en
 
 
 def test_decode_with_heads_as_rows_compiles_nothing_after_warm_up(gpu_shaped_engines, monkeypatch):
-    """flex.DECODE_HEADS_AS_ROWS on the CUDA engine's path on the CPU: decode-only steps of up to 4 rows run flex's
-    attention template with each KV head's query heads as its rows; the warm-up compiles them, mixed traffic adds no
-    graph, and the tokens are the plain engine's."""
+    """flex.DECODE_HEADS_AS_ROWS on the CUDA engine's path on the CPU: the decode rows of steps with up to 4 (decode-only
+    and mixed) run flex's attention template with each KV head's query heads as its rows; the warm-up compiles them,
+    mixed traffic adds no graph, and the tokens are the plain engine's."""
     from flexengine.attention.backends import flex
     monkeypatch.setattr(flex, "DECODE_HEADS_AS_ROWS", 4)
     monkeypatch.setattr(flex, "HEADS_AS_ROWS_ON_CPU", True)
