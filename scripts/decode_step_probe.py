@@ -126,7 +126,8 @@ def main() -> int:
           f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; "
           f"every decode page partial up to {metadata.DECODE_PARTIAL_ROWS} rows; down's split-K partial sums up to "
           f"{linear.DOWN_SPLIT_ROWS} rows; decode on the attention template, query heads as rows, up to "
-          f"{flex.DECODE_HEADS_AS_ROWS} rows (tiles {flex.HEADS_AS_ROWS_TILES}); argmax chunks {sampler.ARGMAX_CHUNKS}; persistent reductions up to "
+          f"{flex.DECODE_HEADS_AS_ROWS} rows (tiles {flex.HEADS_AS_ROWS_TILES}); argmax chunks "
+          f"{sampler.ARGMAX_CHUNKS}; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)
     if what == "attention":

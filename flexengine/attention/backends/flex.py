@@ -354,14 +354,14 @@ class FlexBackend:
         else:
             out = query.new_empty(T, Hq, D)
         if lay.num_decode:  # padding decode rows have no token row (dst -1): dropped
-            qd = query[meta.decode_src].unsqueeze(2)  # [Bd * S, Hq, 1, D]
+            rows_q = query[meta.decode_src]  # [Bd * S, Hq, D]
+            qd = rows_q.unsqueeze(2)
             S = lay.decode_splits
-            if S == 1 and heads_as_rows:  # (the decode-only steps' kernel: a mixed step's rows compile nothing more)
-                od = self.decode_heads_as_rows(flex, query[meta.decode_src], k, v, meta, mask_mod, score_mod, scale)
+            if S == 1:  # (heads as rows: the decode-only steps' kernel, so a mixed step's rows compile nothing more)
+                od = (self.decode_heads_as_rows(flex, rows_q, k, v, meta, mask_mod, score_mod, scale) if heads_as_rows
+                      else flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
+                                **opts)[:, :, 0])
                 merge_splits_into(out, meta.decode_dst, od, None, 1)
-            elif S == 1:
-                od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa, **opts)
-                merge_splits_into(out, meta.decode_dst, od[:, :, 0], None, 1)
             else:  # the splits' merge and the scatter to the token rows: one launch on CUDA
                 od, lse = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
                                **opts, **LSE_KWARGS)

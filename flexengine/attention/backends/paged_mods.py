@@ -263,7 +263,8 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
     return dec, pre
 
 
-def heads_as_rows_block_mask(meta: AttentionMetadata, dec: BlockMask, mask_mod, group: int, listed_only: bool) -> BlockMask:
+def heads_as_rows_block_mask(meta: AttentionMetadata, dec: BlockMask, mask_mod, group: int,
+                             listed_only: bool) -> BlockMask:
     """The decode BlockMask `dec` of `mask_mod` for flex's attention template over decode rows [T, Hkv, group, D]:
     each KV head's `group` query heads as its query rows, under the same page lists (one q block)."""
     return BlockMask.from_kv_blocks(
