@@ -91,9 +91,10 @@ def decode_kernel_options(P: int, splits: int, query: torch.Tensor) -> dict:
 # template, with each KV head's group of query heads as its query rows (q [rows, Hkv, G, D]): the decode template
 # leaves a float32 accumulator that a kernel of its own then normalises (21 µs a step at batch 32 on the H100, 16
 # launches: session 36's profile), where the attention template writes the output itself. A mixed step's decode rows
-# take it too, so that they compile no other kernel than the decode-only steps' of their bucket. 0: never (the
-# default until timed: scripts/decode_step_probe.py heads_as_rows=N).
-DECODE_HEADS_AS_ROWS = 0
+# take it too, so that they compile no other kernel than the decode-only steps' of their bucket. 0: never
+# (scripts/decode_step_probe.py heads_as_rows=N). 32: batch 32 −8 to −37 µs a step on two H100 boxes, batch 1 and 8
+# unchanged, no graph more (session 41 in docs/benchmarks.md).
+DECODE_HEADS_AS_ROWS = 32
 HEADS_AS_ROWS_ON_CPU = False  # (a test hook: the CPU's compiled flex then takes it too)
 
 
