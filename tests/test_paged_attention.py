@@ -220,6 +220,19 @@ def test_flex_decode_with_heads_as_rows_on_gpu(case):
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
+def test_heads_as_rows_keeps_large_heads_on_the_decode_template(monkeypatch):
+    """Heads larger than HEADS_AS_ROWS_MAX_HEAD_DIM (Gemma-2's 256) keep the decode template; the sizes the H100 ran
+    take the attention template, in steps of up to DECODE_HEADS_AS_ROWS decode rows."""
+    from flexengine.attention.backends import flex as flex_backend
+    from flexengine.attention.layout import plan_layout
+    monkeypatch.setattr(flex_backend, "HEADS_AS_ROWS_ON_CPU", True)
+    monkeypatch.setattr(flex_backend, "DECODE_HEADS_AS_ROWS", 4)
+    small, large = plan_layout([1] * 4, [9] * 4, block_size=16), plan_layout([1] * 5, [9] * 5, block_size=16)
+    takes = {D: flex_backend.takes_heads_as_rows(small, torch.empty(4, 8, D)) for D in (64, 128, 256)}
+    assert takes == {64: True, 128: True, 256: False}
+    assert not flex_backend.takes_heads_as_rows(large, torch.empty(5, 8, 64))
+
+
 @pytest.mark.parametrize("mask, plain, score, plain_score", [
     (stripes, as_plain(stripes), masks.alibi([2.0 ** -(i + 1) for i in range(8)]),
      lambda s, b, h, q, kv: s + 2.0 ** -(h + 1) * (kv - q)),

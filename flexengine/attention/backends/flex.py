@@ -98,10 +98,15 @@ DECODE_HEADS_AS_ROWS = 32
 HEADS_AS_ROWS_ON_CPU = False  # (a test hook: the CPU's compiled flex then takes it too)
 
 
+# Head sizes up to this take it: those timed and tested on the H100 (16-128); larger ones (Gemma-2's 256) keep the
+# decode template, whose tiles for them are proven, where a forced 16 x 64 tile's stages are not
+HEADS_AS_ROWS_MAX_HEAD_DIM = 128
+
+
 def takes_heads_as_rows(lay, query: torch.Tensor) -> bool:
     """Whether a step's decode rows run on flex's attention template with query heads as rows (DECODE_HEADS_AS_ROWS)."""
     return (DECODE_HEADS_AS_ROWS > 0 and (query.is_cuda or HEADS_AS_ROWS_ON_CPU) and lay.kernel_splits == 1
-            and lay.num_decode <= DECODE_HEADS_AS_ROWS)
+            and query.shape[-1] <= HEADS_AS_ROWS_MAX_HEAD_DIM and lay.num_decode <= DECODE_HEADS_AS_ROWS)
 
 
 HEADS_AS_ROWS_TILES = {"BLOCK_N": 64}  # (scripts/decode_step_probe.py heads_block_n=..., heads_num_warps=..., ...)
