@@ -42,7 +42,8 @@
 # kernel, torch's op, NCCL) and the one-shot kernel's two-GPU test; tp2_speed (the same numbers through `flexengine bench`): batch-1 latency and 256 x 256 x 256 throughput at TP=1
 # and TP=2, then a profile of TP=2 decode steps with the all-reduces' share). The end-to-end stages run scripts/e2e_bench.sh, which holds their commands (and takes ENGINE_ARGS).
 # Stages that need the Llama-3.2-1B-shaped checkpoint make it first, once, in $MODEL_DIR. At the end
-# everything in $OUT is packed into $OUT/logs.tgz (the device tool brings back at most 8 files).
+# everything in $OUT is packed into $OUT/logs.tgz (the device tool brings back at most 8 files). SAVE_CACHE=1 also
+# leaves the box's compile caches there, which a later call carries in .gpu_cache/ (see below).
 set -u
 if (( $# == 0 )); then  # (it ran `tests attention compare latency` once: a call's whole budget, unasked)
   echo "usage: bash scripts/gpu_session.sh STAGE... (e.g. fa4 tests attention compare latency; see the top of this file)" >&2
@@ -62,6 +63,17 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 # attn-gym (a dev extra; pure Python) for its mods' GPU tests: carried as .whl/attn_gym-*.whl (scripts/serve_wheels.sh)
 ls .whl/attn_gym-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/attn_gym-*.whl >>"$OUT/install.log" 2>&1
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"
+
+# Compile caches carried from an earlier call (SAVE_CACHE=1 leaves them in $OUT as compile_cache.tar.gz.NN; kept
+# here in .gpu_cache/, run's carry: [".gpu_cache"]): a fresh box then reads the kernels it would compile (~100 s of
+# its first engine at max_num_seqs 32). Steady-state timings do not depend on it; the startup stage's first start
+# keeps its own empty caches, and cold-start lines read low on a box that restored them (the log says it did).
+CACHE_HOME=$(python3 -c "from flexengine.config import cache_dir; print(cache_dir())")
+if compgen -G ".gpu_cache/compile_cache.tar.gz.*" >/dev/null; then
+  mkdir -p "$CACHE_HOME" && cat .gpu_cache/compile_cache.tar.gz.* | tar -xzf - -C "$CACHE_HOME" \
+    && echo "compile caches restored from .gpu_cache ($(du -sh "$CACHE_HOME" | cut -f1) in $CACHE_HOME)" \
+    || echo "compile caches in .gpu_cache did not unpack: compiling from scratch"
+fi
 
 # step NAME CAP CMD...: CMD under min(CAP, budget left), output tee'd into $OUT/NAME.log
 step() {
@@ -261,3 +273,12 @@ echo "=================== summary ($(( $(date +%s) - START ))s of ${BUDGET}s)"
 printf '%s\n' "${STATUS[@]}" | tee "$OUT/summary.txt"
 # The device returns at most 8 files from $OUT: everything travels as one archive.
 tar -czf /tmp/gpu_session_logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_session_logs.tgz "$OUT/logs.tgz"
+# SAVE_CACHE=1: this box's compile caches as parts of at most 15 MiB beside the logs (the device returns files of
+# up to 16 MiB, 8 in all), if they fit the 64 MiB that a call carries with the working tree (3 parts)
+if [[ ${SAVE_CACHE:-0} == 1 && -d $CACHE_HOME ]]; then
+  tar -czf - -C "$CACHE_HOME" $(cd "$CACHE_HOME" && ls -d inductor fa4 2>/dev/null) | split -b 15m -d - "$OUT/compile_cache.tar.gz."
+  parts=$(ls "$OUT"/compile_cache.tar.gz.* | wc -l)
+  if (( parts > 3 )); then rm -f "$OUT"/compile_cache.tar.gz.*; echo "compile caches: $parts parts of 15 MiB, too many to carry: not saved"
+  else echo "compile caches saved: $parts part(s) in \$OUT ($(du -shc "$OUT"/compile_cache.tar.gz.* | tail -1 | cut -f1)); keep them with"
+       echo "  rm -rf .gpu_cache && mkdir .gpu_cache && cp FILES_AT/compile_cache.tar.gz.* .gpu_cache/"; fi
+fi
