@@ -9,6 +9,9 @@ For each Llama-3.2-1B projection (q/k/v, o, gate/up, down) and row count, µs pe
   kn         x @ Wt, Wt [K, N] contiguous (the weight transposed once at load: cuBLAS's NN GEMM)
   lt / lt kn the same two through cuBLASLt (torch.backends.cuda.preferred_blas_library)
   autotune   F.linear through Inductor's max-autotune GEMM templates (--autotune; compiles take a while)
+  swap       --swap: W @ x^T, the same [N, K] weight, the output [N, M] (layers/linear.py's `swapped` hands on its
+             transpose); and a chain for gate/up: the projection and SiLU-and-mul in one compiled region (the engine's
+             MLP), F.linear against W @ x^T with the activation reading the transposed product
   bmm S      --split-k S,...: the product as S batched GEMMs over K's S shares (torch.bmm with a float32 out_dtype),
              the S partial sums left apart (as a norm or rotary kernel after it would add them while it reads them);
              "+sum" adds them in a kernel of its own
@@ -45,10 +48,11 @@ def main() -> None:
     p.add_argument("--rows", default="8,32")
     p.add_argument("--autotune", action="store_true")
     p.add_argument("--split-k", default="", help="comma-separated split counts for the bmm variants, e.g. 2,4,8")
+    p.add_argument("--swap", action="store_true", help="also W @ x^T (swap AB), and gate/up's chain with SiLU")
     args = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     splits = [int(s) for s in args.split_k.split(",") if s]
-    variants = (["linear", "kn", "lt", "lt kn"] + (["autotune"] if args.autotune else [])
+    variants = (["linear", "kn", "lt", "lt kn"] + (["autotune"] if args.autotune else []) + (["swap"] if args.swap else [])
                 + [f"bmm {S}{t}" for S in splits for t in ("", "+sum")])
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; µs per call (TB/s of the weight)")
     print("| projection | rows | " + " | ".join(variants) + " |")
@@ -68,6 +72,8 @@ def main() -> None:
                     calls = [lambda w=w: split_k(xs, w, S, v.endswith("+sum")) for w in weights]
                 elif v == "autotune":
                     calls = [lambda w=w: tuned(x, w) for w in weights]
+                elif v == "swap":
+                    calls = [lambda w=w: torch.mm(w, x.t()) for w in weights]
                 elif v.endswith("kn"):
                     calls = [lambda w=w: x @ w for w in transposed]
                 else:
@@ -78,6 +84,8 @@ def main() -> None:
             print(f"| {name} | {M} | " + " | ".join(cells) + " |", flush=True)
         if splits and name in ("o", "down"):
             chain_rows(name, weights, [int(m) for m in args.rows.split(",")], splits)
+        if args.swap and name == "gate/up":
+            swap_chain_rows(weights, [int(m) for m in args.rows.split(",")])
         del weights, transposed
 
 
@@ -123,6 +131,24 @@ def chain_rows(name: str, weights: list[torch.Tensor], rows: list[int], splits: 
             diff = (split_c(xs, weights[0], res, S)[0].float() - ref).abs().max().item()
             cells.append(f"bmm {S}+norm {us:.1f} (max diff {diff:.3g})")
         print(f"| chain {name} | {M} | " + " | ".join(cells) + " |", flush=True)
+
+
+def swap_chain_rows(weights: list[torch.Tensor], rows: list[int]) -> None:
+    """µs per layer of gate/up then SiLU-and-mul, compiled as the engine's MLP region is (dynamic rows), F.linear
+    against W @ x^T whose transpose the activation's kernel reads; and their largest difference."""
+    def act(gu):
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    plain_c = torch.compile(lambda x, w: act(F.linear(x, w)), dynamic=True, fullgraph=True)
+    swap_c = torch.compile(lambda x, w: act(torch.mm(w, x.t()).t()), dynamic=True, fullgraph=True)
+    for M in rows:
+        x = torch.randn(M, weights[0].shape[1], device=weights[0].device, dtype=weights[0].dtype)
+        base = bench(graph_of([lambda w=w: plain_c(x, w) for w in weights]).replay) / COPIES
+        swap = bench(graph_of([lambda w=w: swap_c(x, w) for w in weights]).replay) / COPIES
+        diff = (swap_c(x, weights[0]).float() - plain_c(x, weights[0]).float()).abs().max().item()
+        print(f"| chain gate/up + SiLU | {M} | linear+act {base:.1f} | swap+act {swap:.1f} (max diff {diff:.3g}) |",
+              flush=True)
 
 
 if __name__ == "__main__":

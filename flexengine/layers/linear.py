@@ -53,6 +53,28 @@ def takes_down_split(x: torch.Tensor) -> bool:
             and 1 < x.shape[0] <= DOWN_SPLIT_ROWS)
 
 
+# Up to this many rows (past one), the bias-free gate/up projection runs as weight @ x^T ("swap AB": the weight's N
+# rows on the GEMM's long side, the few activation rows on its short one) and hands the activation the transposed
+# view, which its kernel reads strided inside the same compiled region (o's output leaves its region, so a strided
+# one would be another guard on the next). At 32 rows cuBLAS reads gate/up's weight [N, K] at ~2.5 TB/s as
+# F.linear (27.0 µs) and ~2.6 as x @ W^T with W^T stored [K, N] (25.6; session 31); this form of the same [N, K]
+# weight has not been timed (scripts/skinny_gemm_probe.py --swap; scripts/decode_step_probe.py swap_ab_rows=32).
+# 0: off.
+SWAP_AB_ROWS = 0
+
+
+def takes_swap_ab(x: torch.Tensor) -> bool:
+    """Whether a projection of x's rows runs as `swapped` (2..SWAP_AB_ROWS rows of a 16-bit model on CUDA)."""
+    # the row count compared last, as takes_down_split's
+    return (SWAP_AB_ROWS > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and 1 < x.shape[0] <= SWAP_AB_ROWS)
+
+
+def swapped(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T computed as (weight @ x.T).T: [T, N] with strides (1, T), no copy of either operand."""
+    return torch.mm(weight, x.t()).t()
+
+
 def down_split(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T as the float32 partial sums of K's two halves, [2, T, N] (no copy of either operand: strided
     batches); `summed` makes them the projection's output."""

@@ -18,7 +18,7 @@ from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
 from ..layers import gemv as one_row_gemv
 from ..layers.gemv import gate_up_silu, gemv, head_rows, norm_gemv, norm_gemv_rope, one_row, takes_gate_up_silu
-from ..layers.linear import down_split, summed, takes_down_split
+from ..layers.linear import down_split, summed, swapped, takes_down_split, takes_swap_ab
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rotary_store, stores_rotary
 from ..masks import causal, sliding_window, softcap
@@ -120,6 +120,9 @@ class DecoderMLP(nn.Module):
         """The down projection's input: act(gate) * up."""
         if self.gated_silu and self.gate_up_proj.bias is None and takes_gate_up_silu(x):  # (layers/gemv.py)
             return gate_up_silu(x, self.gate_up_proj.weight)
+        if self.gate_up_proj.bias is None and takes_swap_ab(x):
+            # (layers/linear.py's SWAP_AB_ROWS; the product read in place, written row-major for the down projection)
+            return self.act(swapped(x, self.gate_up_proj.weight)).contiguous()
         return self.act(self.gate_up_proj(x))
 
     def one_row(self, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
