@@ -10,8 +10,8 @@ For each Llama-3.2-1B projection (q/k/v, o, gate/up, down) and row count, µs pe
   lt / lt kn the same two through cuBLASLt (torch.backends.cuda.preferred_blas_library)
   autotune   F.linear through Inductor's max-autotune GEMM templates (--autotune; compiles take a while)
   swap       --swap: W @ x^T, the same [N, K] weight, the output [N, M] (layers/linear.py's `swapped` hands on its
-             transpose); and a chain for gate/up: the projection and SiLU-and-mul in one compiled region (the engine's
-             MLP), F.linear against W @ x^T with the activation reading the transposed product
+             transpose); and chains for gate/up (with SiLU-and-mul) and o (with the residual sum and RMSNorm) in one
+             compiled region as the engine's, F.linear against W @ x^T with the kernel after it reading the transpose
   bmm S      --split-k S,...: the product as S batched GEMMs over K's S shares (torch.bmm with a float32 out_dtype),
              the S partial sums left apart (as a norm or rotary kernel after it would add them while it reads them);
              "+sum" adds them in a kernel of its own
@@ -84,8 +84,8 @@ def main() -> None:
             print(f"| {name} | {M} | " + " | ".join(cells) + " |", flush=True)
         if splits and name in ("o", "down"):
             chain_rows(name, weights, [int(m) for m in args.rows.split(",")], splits)
-        if args.swap and name == "gate/up":
-            swap_chain_rows(weights, [int(m) for m in args.rows.split(",")])
+        if args.swap and name in ("gate/up", "o"):
+            swap_chain_rows(name, weights, [int(m) for m in args.rows.split(",")])
         del weights, transposed
 
 
@@ -133,22 +133,33 @@ def chain_rows(name: str, weights: list[torch.Tensor], rows: list[int], splits: 
         print(f"| chain {name} | {M} | " + " | ".join(cells) + " |", flush=True)
 
 
-def swap_chain_rows(weights: list[torch.Tensor], rows: list[int]) -> None:
-    """µs per layer of gate/up then SiLU-and-mul, compiled as the engine's MLP region is (dynamic rows), F.linear
-    against W @ x^T whose transpose the activation's kernel reads; and their largest difference."""
-    def act(gu):
-        gate, up = gu.chunk(2, dim=-1)
+def swap_chain_rows(name: str, weights: list[torch.Tensor], rows: list[int]) -> None:
+    """µs per layer of the projection and the kernel after it, compiled as the engine's regions are (dynamic rows):
+    gate/up then SiLU-and-mul, or o then the residual sum and RMSNorm (o's product also leaves the region, row-major,
+    as the engine's does); F.linear against W @ x^T, whose transpose the kernel after it reads; and the largest
+    difference of their outputs."""
+    N, K = weights[0].shape
+    gamma = torch.rand(N, device=weights[0].device, dtype=weights[0].dtype) + 0.5
+
+    def after(y, res):
+        if name == "o":
+            return (y, *add_norm(y, res, gamma))
+        gate, up = y.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    plain_c = torch.compile(lambda x, w: act(F.linear(x, w)), dynamic=True, fullgraph=True)
-    swap_c = torch.compile(lambda x, w: act(torch.mm(w, x.t()).t()), dynamic=True, fullgraph=True)
+    plain_c = torch.compile(lambda x, w, res: after(F.linear(x, w), res), dynamic=True, fullgraph=True)
+    swap_c = torch.compile(lambda x, w, res: after(torch.mm(w, x.t()).t().contiguous(), res), dynamic=True,
+                           fullgraph=True)
     for M in rows:
-        x = torch.randn(M, weights[0].shape[1], device=weights[0].device, dtype=weights[0].dtype)
-        base = bench(graph_of([lambda w=w: plain_c(x, w) for w in weights]).replay) / COPIES
-        swap = bench(graph_of([lambda w=w: swap_c(x, w) for w in weights]).replay) / COPIES
-        diff = (swap_c(x, weights[0]).float() - plain_c(x, weights[0]).float()).abs().max().item()
-        print(f"| chain gate/up + SiLU | {M} | linear+act {base:.1f} | swap+act {swap:.1f} (max diff {diff:.3g}) |",
-              flush=True)
+        x = torch.randn(M, K, device=weights[0].device, dtype=weights[0].dtype)
+        res = torch.randn(M, N, device=x.device, dtype=x.dtype)
+        base = bench(graph_of([lambda w=w: plain_c(x, w, res) for w in weights]).replay) / COPIES
+        swap = bench(graph_of([lambda w=w: swap_c(x, w, res) for w in weights]).replay) / COPIES
+        want, got = plain_c(x, weights[0], res), swap_c(x, weights[0], res)
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(want if name == "o" else [want],
+                                                                           got if name == "o" else [got]))
+        step = "residual + norm" if name == "o" else "SiLU"
+        print(f"| chain {name} + {step} | {M} | linear {base:.1f} | swap {swap:.1f} (max diff {diff:.3g}) |", flush=True)
 
 
 if __name__ == "__main__":

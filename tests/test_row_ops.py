@@ -142,9 +142,10 @@ def test_the_down_split_on_the_gpu_equals_cublas_s_projection_eager_and_compiled
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_swapped_gate_up_on_the_gpu_equals_cublas_s_projection_eager_and_compiled():
+def test_the_swapped_projections_on_the_gpu_equal_cublas_s_eager_and_compiled():
     """bf16 on CUDA (linear.SWAP_AB_ROWS): gate/up as weight @ x^T and SiLU-and-mul reading its transpose, eager and
-    through a region compiled as the engine's (dynamic rows), against F.linear's (the products bf16 rounding apart)."""
+    through a region compiled as the engine's (dynamic rows), and o the same way before the residual sum and norm,
+    against F.linear's (the products bf16 rounding apart)."""
     from flexengine.layers.activation import act_and_mul
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(2 * 8192, 2048, generator=g) * 0.02).to("cuda", torch.bfloat16)
@@ -157,6 +158,13 @@ def test_the_swapped_gate_up_on_the_gpu_equals_cublas_s_projection_eager_and_com
             assert got.shape == want.shape
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
         assert region(x).is_contiguous()
+    w_o = (torch.randn(2048, 2048, generator=g) * 0.02).to("cuda", torch.bfloat16)  # o: the residual and norm after
+    o_region = torch.compile(lambda x, r: torch.nn.functional.rms_norm(r + linear.swapped(x, w_o).contiguous(),
+                                                                       (2048,)), dynamic=True, fullgraph=True)
+    for rows in (2, 32):
+        x, r = (torch.randn(rows, 2048, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        torch.testing.assert_close(o_region(x, r), torch.nn.functional.rms_norm(r + torch.nn.functional.linear(x, w_o),
+                                                                                (2048,)), rtol=2e-2, atol=2e-2)
 
 
 def generate(path, prompts, params, **config):
@@ -174,6 +182,7 @@ PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids"
 OPS = {"rotary_store": ("stores_rotary", {"qwen3"}), "gate_up_silu": ("takes_gate_up_silu", {"gemma2"}),
        "down_split": ("takes_down_split", {"gemma2"}), "swapped": ("takes_swap_ab", set()),
        "swapped+down_split": ("takes_swap_ab+takes_down_split", set())}  # (both at once: what the GPU's rows take)
+# (swapped: gate/up and o, both taken where forced)
 TRACED_OPS = {"down_split": torch.bmm, "swapped": torch.mm, "swapped+down_split": torch.mm}  # plain torch ops: dynamo traces them into the regions
 
 
@@ -192,7 +201,7 @@ def test_the_decoders_path_through_the_op_equals_its_ordinary_path(op, family, t
     rows = []
     takes, ordinary_families = OPS[op]
     for name in takes.split("+"):
-        monkeypatch.setattr(decoder, name, lambda x: True)
+        monkeypatch.setattr(decoder, name, lambda x, *a: True)
     op = op.split("+")[0]
     implementation = getattr(decoder, op)
     monkeypatch.setattr(decoder, op, lambda x, *a: rows.append(x.shape[0]) or implementation(x, *a))
@@ -227,7 +236,7 @@ def test_the_op_traces_in_the_compiled_regions_without_recompiles(op, gpu_shaped
         monkeypatch.setattr(module, name, lambda *a: rows.append(a[2 if op == "rotary_store" else 0].shape[0])
                             or inner(*a))
     for name in OPS[op][0].split("+"):
-        monkeypatch.setattr(decoder, name, lambda x: True)
+        monkeypatch.setattr(decoder, name, lambda x, *a: True)
     llm = LLM(path, device="cpu", **config)
     assert llm.llm_engine.runner.static_shapes
     before, ran = compile_count(), len(rows)

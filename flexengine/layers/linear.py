@@ -53,21 +53,22 @@ def takes_down_split(x: torch.Tensor) -> bool:
             and 1 < x.shape[0] <= DOWN_SPLIT_ROWS)
 
 
-# Up to this many rows (past one), the bias-free gate/up projection runs as weight @ x^T ("swap AB": the weight's N
-# rows on the GEMM's long side, the few activation rows on its short one) and hands the activation the transposed
-# view, which its kernel reads strided inside the same compiled region (o's output leaves its region, so a strided
-# one would be another guard on the next). At 32 rows cuBLAS reads gate/up's weight [N, K] at ~2.5 TB/s as
-# F.linear (27.0 µs) and ~2.6 as x @ W^T with W^T stored [K, N] (25.6; session 31); this form of the same [N, K]
-# weight has not been timed (scripts/skinny_gemm_probe.py --swap; scripts/decode_step_probe.py swap_ab_rows=32).
-# 0: off.
-SWAP_AB_ROWS = 0
+# Up to this many rows (past one), each named bias-free projection runs as weight @ x^T ("swap AB": the weight's N
+# rows on the GEMM's long side, the few activation rows on its short one); the kernel after it in the same compiled
+# region reads the transposed product (gate/up's activation) or writes it row-major as it reads it (o's output, which
+# the residual-and-norm kernel reads and which leaves the region: a strided one would be another guard on the next).
+# At 32 rows cuBLAS reads gate/up's weight [N, K] at ~2.5 TB/s as F.linear (27.0 µs) and ~2.6 as x @ W^T with W^T
+# stored [K, N] (25.6), q/k/v and o at 1.2-1.6 TB/s in every form it was given (session 31); this form of the same
+# [N, K] weight has not been timed (scripts/skinny_gemm_probe.py --swap; scripts/decode_step_probe.py
+# swap_gate_up_rows=32,swap_o_rows=32). 0: off.
+SWAP_AB_ROWS = {"gate_up": 0, "o": 0}
 
 
-def takes_swap_ab(x: torch.Tensor) -> bool:
-    """Whether a projection of x's rows runs as `swapped` (2..SWAP_AB_ROWS rows of a 16-bit model on CUDA)."""
-    # the row count compared last, as takes_down_split's
-    return (SWAP_AB_ROWS > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and 1 < x.shape[0] <= SWAP_AB_ROWS)
+def takes_swap_ab(x: torch.Tensor, projection: str) -> bool:
+    """Whether `projection` of x's rows runs as `swapped` (2..SWAP_AB_ROWS[projection] rows of a 16-bit model on
+    CUDA)."""
+    rows = SWAP_AB_ROWS[projection]  # the row count compared last, as takes_down_split's
+    return rows > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and 1 < x.shape[0] <= rows
 
 
 def swapped(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,10 @@ class DecoderAttention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(o.reshape(o.shape[0], self.q_size))
+        o = o.reshape(o.shape[0], self.q_size)
+        if self.o_proj.bias is None and self.o_proj.tp_size == 1 and takes_swap_ab(o, "o"):
+            return swapped(o, self.o_proj.weight).contiguous()  # (layers/linear.py's SWAP_AB_ROWS)
+        return self.o_proj(o)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata):
         return self.out(self.attn(*self.qkv(x, cos, sin), meta))
@@ -120,7 +123,7 @@ class DecoderMLP(nn.Module):
         """The down projection's input: act(gate) * up."""
         if self.gated_silu and self.gate_up_proj.bias is None and takes_gate_up_silu(x):  # (layers/gemv.py)
             return gate_up_silu(x, self.gate_up_proj.weight)
-        if self.gate_up_proj.bias is None and takes_swap_ab(x):
+        if self.gate_up_proj.bias is None and takes_swap_ab(x, "gate_up"):
             # (layers/linear.py's SWAP_AB_ROWS; the product read in place, written row-major for the down projection)
             return self.act(swapped(x, self.gate_up_proj.weight)).contiguous()
         return self.act(self.gate_up_proj(x))
