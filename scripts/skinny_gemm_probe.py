@@ -159,7 +159,8 @@ def swap_chain_rows(name: str, weights: list[torch.Tensor], rows: list[int]) -> 
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(want if name == "o" else [want],
                                                                            got if name == "o" else [got]))
         step = "residual + norm" if name == "o" else "SiLU"
-        print(f"| chain {name} + {step} | {M} | linear {base:.1f} | swap {swap:.1f} (max diff {diff:.3g}) |", flush=True)
+        print(f"| chain {name} + {step} | {M} | linear {base:.1f} | swap {swap:.1f} (max diff {diff:.3g}) |",
+              flush=True)
 
 
 if __name__ == "__main__":
