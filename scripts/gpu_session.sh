@@ -21,6 +21,7 @@
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
 # latency at batch 8 and 32), gemv_rows (gemv_probe.py: the few-rows kernel against cuBLAS at 8 and 32 rows),
+# swap_probe (skinny_gemm_probe.py --swap: each projection as W @ x^T, gate/up's and o's chains, at 8 and 32 rows),
 # small_batch_leads (at SMALL_BATCHES, default "8 32": the default, scripts/kv_write_autotune.py,
 # FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel),
 # decode_tiles (flex's decode tile options, DECODE_VARIANTS of scripts/decode_step_probe.py: the attention
@@ -246,6 +247,7 @@ for stage in "$@"; do
              --output-len 256; done ;;
     small_batches) model && for b in 8 32; do step "latency_batch_$b" 150 python3 -m flexengine.cli bench latency \
              $(latency_4k "$b"); done ;;  # issue 16: ms a step at batch 8 and 32
+    swap_probe) step skinny_swap 200 python3 scripts/skinny_gemm_probe.py --rows 8,32 --swap ;;  # issue 16: W @ x^T alone
     gemv_rows) step gemv_rows 200 python3 scripts/gemv_probe.py --rows 8,32 --shapes 1b --engine-only \
              --json "$OUT/gemv_rows.json" ;;  # the few-rows kernel against cuBLAS, alone, at its best configuration
     small_batch_leads) model && for b in ${SMALL_BATCHES:-8 32}; do  # issue 16's batch-8/32 ratio: session 24's leads
