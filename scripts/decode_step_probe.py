@@ -21,7 +21,7 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,argmax_chunks=64 -- latency ...  # greedy argmax over 64 chunks a row
     python3 scripts/decode_step_probe.py default,heads_as_rows=32 -- latency ...  # decode on flex's attention template
     python3 scripts/decode_step_probe.py default,heads_as_rows=32,heads_block_n=128,heads_num_warps=4 -- latency ...
-    python3 scripts/decode_step_probe.py default,swap_gate_up_rows=32,swap_o_rows=32 -- latency ...  # W @ x^T
+    python3 scripts/decode_step_probe.py default,swap_qkv_rows=32,swap_gate_up_rows=32,swap_o_rows=32 -- latency ...
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
 query rows (flex.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
@@ -44,7 +44,8 @@ import sys
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
                "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks", "heads_as_rows",
-               "heads_block_n", "heads_num_warps", "heads_num_stages", "swap_gate_up_rows", "swap_o_rows")
+               "heads_block_n", "heads_num_warps", "heads_num_stages", "swap_qkv_rows", "swap_gate_up_rows",
+               "swap_o_rows")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:

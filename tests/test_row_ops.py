@@ -40,19 +40,19 @@ def test_the_kernel_under_triton_s_interpreter():
 @settings(max_examples=25, deadline=None)
 @given(tokens=st.one_of(st.integers(1, 40), st.just(300)), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 4, 7]),
        half=st.sampled_from([2, 4, 32, 36, 40, 64]), page=st.sampled_from([1, 4, 16]),
-       wider=st.integers(0, 3), stray=st.booleans(), seed=st.integers(0, 2**16))
+       wider=st.integers(0, 3), stray=st.booleans(), transposed=st.booleans(), seed=st.integers(0, 2**16))
 def test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots(tokens, kv_heads, group, half, page, wider, stray,
-                                                                    seed):
+                                                                    transposed, seed):
     """Random slots over a few pages (each token its own), GQA ratios 1-7, head sizes 4-128 (72 and 80 too), the
     projection a view with a wider row stride, a decode step's few tokens and a prompt chunk's many (other tiles):
     q comes out rotated, k rotated and v as it was land at each token's slot, and nothing else in the caches
-    changes; `stray`: the first token's slot is -1, which stores nothing. bf16 on a GPU; float32 in the interpreted
-    process."""
+    changes; `stray`: the first token's slot is -1, which stores nothing; `transposed`: the projection is a transposed
+    product (linear.swapped: columns `tokens` apart). bf16 on a GPU; float32 in the interpreted process."""
     device, dtype, g, rand = kernel_inputs(seed)
     q_heads, D = kv_heads * group, 2 * half
     pages = -(-tokens // page) + 2
     width = (q_heads + 2 * kv_heads) * D
-    qkv = rand(tokens, width + wider)[:, :width]
+    qkv = rand(width + wider, tokens)[:width].t() if transposed else rand(tokens, width + wider)[:, :width]
     angle = torch.rand(tokens, 1, half, generator=g) * 6.28 * 100
     cos, sin = angle.cos().to(dtype).to(device), angle.sin().to(dtype).to(device)
     slots = torch.randperm(pages * page, generator=g)[:tokens].to(device)
@@ -181,9 +181,11 @@ PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids"
 # per-head norm comes between q/k/v and rotary; Gemma 2's MLP is gelu's, and a norm follows it)
 OPS = {"rotary_store": ("stores_rotary", {"qwen3"}), "gate_up_silu": ("takes_gate_up_silu", {"gemma2"}),
        "down_split": ("takes_down_split", {"gemma2"}), "swapped": ("takes_swap_ab", set()),
-       "swapped+down_split": ("takes_swap_ab+takes_down_split", set())}  # (both at once: what the GPU's rows take)
-# (swapped: gate/up and o, both taken where forced)
-TRACED_OPS = {"down_split": torch.bmm, "swapped": torch.mm, "swapped+down_split": torch.mm}  # plain torch ops: dynamo traces them into the regions
+       "swapped+down_split": ("takes_swap_ab+takes_down_split", set()),  # (together: what the GPU's rows take)
+       "swapped+stores_rotary": ("takes_swap_ab+stores_rotary", set())}  # (q/k/v's transposed product into the kernel)
+# (swapped: q/k/v where the rotary + K/V store kernel takes it, gate/up and o; forced, every family takes some)
+TRACED_OPS = {"down_split": torch.bmm, "swapped": torch.mm, "swapped+down_split": torch.mm,
+              "swapped+stores_rotary": torch.mm}  # plain torch ops: dynamo traces them into the regions
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -189,8 +189,10 @@ class DecoderLayer(nn.Module):
                 x = x + attn_delta + summed(mlp_delta, x.dtype)
             attn = self.self_attn
             if self.rotary_store and stores_rotary(x) and k_cache.dtype == x.dtype:  # rotary and the store: one kernel
-                q = rotary_store(attn.qkv_proj(self.input_layernorm(x)), cos, sin, slot_mapping, k_cache, v_cache,
-                                 attn.qkv_proj.num_heads, attn.qkv_proj.num_kv_heads)
+                h, proj = self.input_layernorm(x), attn.qkv_proj
+                # (layers/linear.py's SWAP_AB_ROWS: the kernel reads the transposed product's columns)
+                qkv = swapped(h, proj.weight) if proj.bias is None and takes_swap_ab(h, "qkv") else proj(h)
+                q = rotary_store(qkv, cos, sin, slot_mapping, k_cache, v_cache, proj.num_heads, proj.num_kv_heads)
                 return q, x
             q, k, v = attn.qkv(self.input_layernorm(x), cos, sin)
         write_kv(k_cache, v_cache, k, v, slot_mapping)
