@@ -180,12 +180,11 @@ PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids"
 # op → (the decoder's test of whether a step takes it, the families whose layers keep the ordinary path: Qwen3's
 # per-head norm comes between q/k/v and rotary; Gemma 2's MLP is gelu's, and a norm follows it)
 OPS = {"rotary_store": ("stores_rotary", {"qwen3"}), "gate_up_silu": ("takes_gate_up_silu", {"gemma2"}),
-       "down_split": ("takes_down_split", {"gemma2"}), "swapped": ("takes_swap_ab", set()),
-       "swapped+down_split": ("takes_swap_ab+takes_down_split", set()),  # (together: what the GPU's rows take)
-       "swapped+stores_rotary": ("takes_swap_ab+stores_rotary", set())}  # (q/k/v's transposed product into the kernel)
-# (swapped: q/k/v where the rotary + K/V store kernel takes it, gate/up and o; forced, every family takes some)
-TRACED_OPS = {"down_split": torch.bmm, "swapped": torch.mm, "swapped+down_split": torch.mm,
-              "swapped+stores_rotary": torch.mm}  # plain torch ops: dynamo traces them into the regions
+       "down_split": ("takes_down_split", {"gemma2"}),
+       # q/k/v's transposed product into the rotary + K/V store kernel (not Qwen3's: its per-head norm comes first),
+       # gate/up's into the activation and then down's split, o's: every family takes some, as the GPU's rows do
+       "swapped+down_split+stores_rotary": ("takes_swap_ab+takes_down_split+stores_rotary", set())}
+TRACED_OPS = {"down_split": torch.bmm, "swapped+down_split+stores_rotary": torch.mm}  # plain torch ops: dynamo traces them into the regions
 
 
 @pytest.mark.parametrize("op", OPS)
