@@ -59,7 +59,7 @@ def takes_down_split(x: torch.Tensor) -> bool:
 # row-major as it reads it (o's output, which the residual-and-norm kernel reads and which leaves the region: a
 # strided one would be another guard on the next).
 # At 32 rows cuBLAS reads gate/up's weight [N, K] at ~2.5 TB/s as F.linear (27.0 µs) and ~2.6 as x @ W^T with W^T
-# stored [K, N] (25.6), q/k/v and o at 1.2-1.6 TB/s in every form it was given (session 31); this form of the same
+# stored [K, N] (25.6), q/k/v and o at 1.2-1.6 TB/s in every form it was given (session 33); this form of the same
 # [N, K] weight has not been timed (scripts/skinny_gemm_probe.py --swap; scripts/decode_step_probe.py
 # swap_qkv_rows=32,swap_gate_up_rows=32,swap_o_rows=32). 0: off.
 SWAP_AB_ROWS = {"qkv": 0, "gate_up": 0, "o": 0}
