@@ -48,11 +48,13 @@ def main() -> None:
     p.add_argument("--rows", default="8,32")
     p.add_argument("--autotune", action="store_true")
     p.add_argument("--split-k", default="", help="comma-separated split counts for the bmm variants, e.g. 2,4,8")
-    p.add_argument("--swap", action="store_true", help="also W @ x^T (swap AB), and gate/up's chain with SiLU")
+    p.add_argument("--swap", action="store_true",
+                   help="also W @ x^T (swap AB), and the chains of gate/up with SiLU and of o with the norm")
     args = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     splits = [int(s) for s in args.split_k.split(",") if s]
-    variants = (["linear", "kn", "lt", "lt kn"] + (["autotune"] if args.autotune else []) + (["swap"] if args.swap else [])
+    variants = (["linear", "kn", "lt", "lt kn"] + (["autotune"] if args.autotune else [])
+                + (["swap"] if args.swap else [])
                 + [f"bmm {S}{t}" for S in splits for t in ("", "+sum")])
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; µs per call (TB/s of the weight)")
     print("| projection | rows | " + " | ".join(variants) + " |")
@@ -142,22 +144,23 @@ def swap_chain_rows(name: str, weights: list[torch.Tensor], rows: list[int]) -> 
     gamma = torch.rand(N, device=weights[0].device, dtype=weights[0].dtype) + 0.5
 
     def after(y, res):
+        """The chain's outputs from the projection y (F.linear's, or W @ x^T's transposed view), row-major as the
+        engine writes them: o's product itself, then the norm's; gate/up's activation, read from y as it is."""
         if name == "o":
+            y = y.contiguous()
             return (y, *add_norm(y, res, gamma))
         gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return ((F.silu(gate) * up).contiguous(),)
 
     plain_c = torch.compile(lambda x, w, res: after(F.linear(x, w), res), dynamic=True, fullgraph=True)
-    swap_c = torch.compile(lambda x, w, res: after(torch.mm(w, x.t()).t().contiguous(), res), dynamic=True,
-                           fullgraph=True)
+    swap_c = torch.compile(lambda x, w, res: after(torch.mm(w, x.t()).t(), res), dynamic=True, fullgraph=True)
     for M in rows:
         x = torch.randn(M, K, device=weights[0].device, dtype=weights[0].dtype)
         res = torch.randn(M, N, device=x.device, dtype=x.dtype)
         base = bench(graph_of([lambda w=w: plain_c(x, w, res) for w in weights]).replay) / COPIES
         swap = bench(graph_of([lambda w=w: swap_c(x, w, res) for w in weights]).replay) / COPIES
         want, got = plain_c(x, weights[0], res), swap_c(x, weights[0], res)
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(want if name == "o" else [want],
-                                                                           got if name == "o" else [got]))
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(want, got))
         step = "residual + norm" if name == "o" else "SiLU"
         print(f"| chain {name} + {step} | {M} | linear {base:.1f} | swap {swap:.1f} (max diff {diff:.3g}) |",
               flush=True)

@@ -45,12 +45,17 @@ class MergedLinear(nn.Linear):
 DOWN_SPLIT_ROWS = 32
 
 
+def cuda_rows_up_to(x: torch.Tensor, limit: int) -> bool:
+    """Whether x holds 2..`limit` rows of a 16-bit model on CUDA (the CPU and a switched-off limit compare no dynamic
+    row count)."""
+    # the row count compared last: under dynamo a comparison of a symbolic size is a guard (and a graph each side)
+    return limit > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and 1 < x.shape[0] <= limit
+
+
 def takes_down_split(x: torch.Tensor) -> bool:
     """Whether the down projection of x's rows leaves two partial sums (`down_split`): 2..DOWN_SPLIT_ROWS rows of a
-    16-bit model on CUDA (the CPU and a switched-off DOWN_SPLIT_ROWS compare no dynamic row count)."""
-    # the row count compared last: under dynamo a comparison of a symbolic size is a guard (and a graph each side)
-    return (DOWN_SPLIT_ROWS > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and 1 < x.shape[0] <= DOWN_SPLIT_ROWS)
+    16-bit model on CUDA."""
+    return cuda_rows_up_to(x, DOWN_SPLIT_ROWS)
 
 
 # Up to this many rows (past one), each named bias-free projection runs as weight @ x^T ("swap AB": the weight's N
@@ -68,8 +73,7 @@ SWAP_AB_ROWS = {"qkv": 0, "gate_up": 0, "o": 0}
 def takes_swap_ab(x: torch.Tensor, projection: str) -> bool:
     """Whether `projection` of x's rows runs as `swapped` (2..SWAP_AB_ROWS[projection] rows of a 16-bit model on
     CUDA)."""
-    rows = SWAP_AB_ROWS[projection]  # the row count compared last, as takes_down_split's
-    return rows > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and 1 < x.shape[0] <= rows
+    return cuda_rows_up_to(x, SWAP_AB_ROWS[projection])
 
 
 def swapped(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
