@@ -21,7 +21,6 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,argmax_chunks=64 -- latency ...  # greedy argmax over 64 chunks a row
     python3 scripts/decode_step_probe.py default,heads_as_rows=32 -- latency ...  # decode on flex's attention template
     python3 scripts/decode_step_probe.py default,heads_as_rows=32,heads_block_n=128,heads_num_warps=4 -- latency ...
-    python3 scripts/decode_step_probe.py default,swap_qkv_rows=32,swap_gate_up_rows=32,swap_o_rows=32 -- latency ...
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
 query rows (flex.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
@@ -44,8 +43,7 @@ import sys
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
                "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks", "heads_as_rows",
-               "heads_block_n", "heads_num_warps", "heads_num_stages", "swap_qkv_rows", "swap_gate_up_rows",
-               "swap_o_rows")
+               "heads_block_n", "heads_num_warps", "heads_num_stages")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -110,7 +108,6 @@ def main() -> int:
     gemv.HEAD_ROWS = engine.get("head_rows", gemv.HEAD_ROWS)
     metadata.DECODE_PARTIAL_ROWS = engine.get("decode_partial_rows", metadata.DECODE_PARTIAL_ROWS)
     linear.DOWN_SPLIT_ROWS = engine.get("down_split_rows", linear.DOWN_SPLIT_ROWS)
-    linear.SWAP_AB_ROWS = {name: engine.get(f"swap_{name}_rows", rows) for name, rows in linear.SWAP_AB_ROWS.items()}
     flex.DECODE_HEADS_AS_ROWS = engine.get("heads_as_rows", flex.DECODE_HEADS_AS_ROWS)
     flex.HEADS_AS_ROWS_TILES = {**flex.HEADS_AS_ROWS_TILES, **{k[len("heads_"):].replace("block_n", "BLOCK_N"): v
                                                        for k, v in engine.items() if k.startswith("heads_")
@@ -128,8 +125,7 @@ def main() -> int:
           f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; rotary + K/V store kernel {rotary.ROTARY_STORE}; gate/up + "
           f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; "
           f"every decode page partial up to {metadata.DECODE_PARTIAL_ROWS} rows; down's split-K partial sums up to "
-          f"{linear.DOWN_SPLIT_ROWS} rows; weight @ x^T up to rows {linear.SWAP_AB_ROWS}; decode on the attention "
-          f"template, query heads as rows, up to "
+          f"{linear.DOWN_SPLIT_ROWS} rows; decode on the attention template, query heads as rows, up to "
           f"{flex.DECODE_HEADS_AS_ROWS} rows (tiles {flex.HEADS_AS_ROWS_TILES}); argmax chunks "
           f"{sampler.ARGMAX_CHUNKS}; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "

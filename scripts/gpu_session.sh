@@ -21,7 +21,6 @@
 # per step by thread count), gemv (scripts/gemv_probe.py: the batch-1 projections through cuBLAS and a Triton GEMV), one_row (batch 1 with and without
 # layers/gemv.py's kernels, scripts/one_row_parts.py, ONE_ROW_VARIANTS: parts lists or none), small_batches (bench
 # latency at batch 8 and 32), gemv_rows (gemv_probe.py: the few-rows kernel against cuBLAS at 8 and 32 rows),
-# swap_probe (skinny_gemm_probe.py --swap: each projection as W @ x^T, gate/up's and o's chains, at 8 and 32 rows),
 # small_batch_leads (at SMALL_BATCHES, default "8 32": the default, scripts/kv_write_autotune.py,
 # FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel),
 # decode_tiles (flex's decode tile options, DECODE_VARIANTS of scripts/decode_step_probe.py: the attention
@@ -69,10 +68,13 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 # here in .gpu_cache/, run's carry: [".gpu_cache"]): a fresh box then reads the kernels it would compile (~100 s of
 # its first engine at max_num_seqs 32). Steady-state timings do not depend on it; the startup stage's first start
 # keeps its own empty caches, and cold-start lines read low on a box that restored them (the log says it did).
-CACHE_HOME=$(python3 -c "from flexengine.config import cache_dir; print(cache_dir())")
+# The folders the engine compiles into (config.compile_cache_defaults: the image's own settings win), relative to /
+CACHE_DIRS=$(python3 -c "import os; from flexengine.config import compile_cache_defaults as d; d(); print(*(os.path.
+relpath(os.environ[k], '/') for k in ('TORCHINDUCTOR_CACHE_DIR', 'FLASH_ATTENTION_CUTE_DSL_CACHE_DIR')))")
+echo "compile caches: /${CACHE_DIRS// / and /}"
 if compgen -G ".gpu_cache/compile_cache.tar.gz.*" >/dev/null; then
-  mkdir -p "$CACHE_HOME" && cat .gpu_cache/compile_cache.tar.gz.* | tar -xzf - -C "$CACHE_HOME" \
-    && echo "compile caches restored from .gpu_cache ($(du -sh "$CACHE_HOME" | cut -f1) in $CACHE_HOME)" \
+  cat .gpu_cache/compile_cache.tar.gz.* | tar -xzf - -C / \
+    && echo "compile caches restored from .gpu_cache ($(cd / && du -shc $CACHE_DIRS 2>/dev/null | tail -1 | cut -f1))" \
     || echo "compile caches in .gpu_cache did not unpack: compiling from scratch"
 fi
 
@@ -247,7 +249,6 @@ for stage in "$@"; do
              --output-len 256; done ;;
     small_batches) model && for b in 8 32; do step "latency_batch_$b" 150 python3 -m flexengine.cli bench latency \
              $(latency_4k "$b"); done ;;  # issue 16: ms a step at batch 8 and 32
-    swap_probe) step skinny_swap 200 python3 scripts/skinny_gemm_probe.py --rows 8,32 --swap ;;  # issue 16: W @ x^T alone
     gemv_rows) step gemv_rows 200 python3 scripts/gemv_probe.py --rows 8,32 --shapes 1b --engine-only \
              --json "$OUT/gemv_rows.json" ;;  # the few-rows kernel against cuBLAS, alone, at its best configuration
     small_batch_leads) model && for b in ${SMALL_BATCHES:-8 32}; do  # issue 16's batch-8/32 ratio: session 24's leads
@@ -277,8 +278,10 @@ printf '%s\n' "${STATUS[@]}" | tee "$OUT/summary.txt"
 tar -czf /tmp/gpu_session_logs.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_session_logs.tgz "$OUT/logs.tgz"
 # SAVE_CACHE=1: this box's compile caches as parts of at most 15 MiB beside the logs (the device returns files of
 # up to 16 MiB, 8 in all), if they fit the 64 MiB that a call carries with the working tree (3 parts)
-if [[ ${SAVE_CACHE:-0} == 1 && -d $CACHE_HOME ]]; then
-  tar -czf - -C "$CACHE_HOME" $(cd "$CACHE_HOME" && ls -d inductor fa4 2>/dev/null) | split -b 15m -d - "$OUT/compile_cache.tar.gz."
+SAVED=$(cd / && ls -d $CACHE_DIRS 2>/dev/null)
+if [[ ${SAVE_CACHE:-0} == 1 && -z $SAVED ]]; then echo "compile caches: none of /${CACHE_DIRS// / and /} exists: not saved"
+elif [[ ${SAVE_CACHE:-0} == 1 ]]; then
+  tar -czf - -C / $SAVED | split -b 15m -d - "$OUT/compile_cache.tar.gz."
   parts=$(ls "$OUT"/compile_cache.tar.gz.* | wc -l)
   if (( parts > 3 )); then rm -f "$OUT"/compile_cache.tar.gz.*; echo "compile caches: $parts parts of 15 MiB, too many to carry: not saved"
   else echo "compile caches saved: $parts part(s) in \$OUT ($(du -shc "$OUT"/compile_cache.tar.gz.* | tail -1 | cut -f1)); keep them with"

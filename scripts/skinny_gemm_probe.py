@@ -9,9 +9,6 @@ For each Llama-3.2-1B projection (q/k/v, o, gate/up, down) and row count, µs pe
   kn         x @ Wt, Wt [K, N] contiguous (the weight transposed once at load: cuBLAS's NN GEMM)
   lt / lt kn the same two through cuBLASLt (torch.backends.cuda.preferred_blas_library)
   autotune   F.linear through Inductor's max-autotune GEMM templates (--autotune; compiles take a while)
-  swap       --swap: W @ x^T, the same [N, K] weight, the output [N, M] (layers/linear.py's `swapped` hands on its
-             transpose); and chains for gate/up (with SiLU-and-mul) and o (with the residual sum and RMSNorm) in one
-             compiled region as the engine's, F.linear against W @ x^T with the kernel after it reading the transpose
   bmm S      --split-k S,...: the product as S batched GEMMs over K's S shares (torch.bmm with a float32 out_dtype),
              the S partial sums left apart (as a norm or rotary kernel after it would add them while it reads them);
              "+sum" adds them in a kernel of its own
@@ -48,13 +45,10 @@ def main() -> None:
     p.add_argument("--rows", default="8,32")
     p.add_argument("--autotune", action="store_true")
     p.add_argument("--split-k", default="", help="comma-separated split counts for the bmm variants, e.g. 2,4,8")
-    p.add_argument("--swap", action="store_true",
-                   help="also W @ x^T (swap AB), and the chains of gate/up with SiLU and of o with the norm")
     args = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     splits = [int(s) for s in args.split_k.split(",") if s]
     variants = (["linear", "kn", "lt", "lt kn"] + (["autotune"] if args.autotune else [])
-                + (["swap"] if args.swap else [])
                 + [f"bmm {S}{t}" for S in splits for t in ("", "+sum")])
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; µs per call (TB/s of the weight)")
     print("| projection | rows | " + " | ".join(variants) + " |")
@@ -74,8 +68,6 @@ def main() -> None:
                     calls = [lambda w=w: split_k(xs, w, S, v.endswith("+sum")) for w in weights]
                 elif v == "autotune":
                     calls = [lambda w=w: tuned(x, w) for w in weights]
-                elif v == "swap":
-                    calls = [lambda w=w: torch.mm(w, x.t()) for w in weights]
                 elif v.endswith("kn"):
                     calls = [lambda w=w: x @ w for w in transposed]
                 else:
@@ -86,8 +78,6 @@ def main() -> None:
             print(f"| {name} | {M} | " + " | ".join(cells) + " |", flush=True)
         if splits and name in ("o", "down"):
             chain_rows(name, weights, [int(m) for m in args.rows.split(",")], splits)
-        if args.swap and name in ("gate/up", "o"):
-            swap_chain_rows(name, weights, [int(m) for m in args.rows.split(",")])
         del weights, transposed
 
 
@@ -133,37 +123,6 @@ def chain_rows(name: str, weights: list[torch.Tensor], rows: list[int], splits: 
             diff = (split_c(xs, weights[0], res, S)[0].float() - ref).abs().max().item()
             cells.append(f"bmm {S}+norm {us:.1f} (max diff {diff:.3g})")
         print(f"| chain {name} | {M} | " + " | ".join(cells) + " |", flush=True)
-
-
-def swap_chain_rows(name: str, weights: list[torch.Tensor], rows: list[int]) -> None:
-    """µs per layer of the projection and the kernel after it, compiled as the engine's regions are (dynamic rows):
-    gate/up then SiLU-and-mul, or o then the residual sum and RMSNorm (o's product also leaves the region, row-major,
-    as the engine's does); F.linear against W @ x^T, whose transpose the kernel after it reads; and the largest
-    difference of their outputs."""
-    N, K = weights[0].shape
-    gamma = torch.rand(N, device=weights[0].device, dtype=weights[0].dtype) + 0.5
-
-    def after(y, res):
-        """The chain's outputs from the projection y (F.linear's, or W @ x^T's transposed view), row-major as the
-        engine writes them: o's product itself, then the norm's; gate/up's activation, read from y as it is."""
-        if name == "o":
-            y = y.contiguous()
-            return (y, *add_norm(y, res, gamma))
-        gate, up = y.chunk(2, dim=-1)
-        return ((F.silu(gate) * up).contiguous(),)
-
-    plain_c = torch.compile(lambda x, w, res: after(F.linear(x, w), res), dynamic=True, fullgraph=True)
-    swap_c = torch.compile(lambda x, w, res: after(torch.mm(w, x.t()).t(), res), dynamic=True, fullgraph=True)
-    for M in rows:
-        x = torch.randn(M, K, device=weights[0].device, dtype=weights[0].dtype)
-        res = torch.randn(M, N, device=x.device, dtype=x.dtype)
-        base = bench(graph_of([lambda w=w: plain_c(x, w, res) for w in weights]).replay) / COPIES
-        swap = bench(graph_of([lambda w=w: swap_c(x, w, res) for w in weights]).replay) / COPIES
-        want, got = plain_c(x, weights[0], res), swap_c(x, weights[0], res)
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(want, got))
-        step = "residual + norm" if name == "o" else "SiLU"
-        print(f"| chain {name} + {step} | {M} | linear {base:.1f} | swap {swap:.1f} (max diff {diff:.3g}) |",
-              flush=True)
 
 
 if __name__ == "__main__":

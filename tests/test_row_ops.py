@@ -40,19 +40,19 @@ def test_the_kernel_under_triton_s_interpreter():
 @settings(max_examples=25, deadline=None)
 @given(tokens=st.one_of(st.integers(1, 40), st.just(300)), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 4, 7]),
        half=st.sampled_from([2, 4, 32, 36, 40, 64]), page=st.sampled_from([1, 4, 16]),
-       wider=st.integers(0, 3), stray=st.booleans(), transposed=st.booleans(), seed=st.integers(0, 2**16))
+       wider=st.integers(0, 3), stray=st.booleans(), seed=st.integers(0, 2**16))
 def test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots(tokens, kv_heads, group, half, page, wider, stray,
-                                                                    transposed, seed):
+                                                                    seed):
     """Random slots over a few pages (each token its own), GQA ratios 1-7, head sizes 4-128 (72 and 80 too), the
     projection a view with a wider row stride, a decode step's few tokens and a prompt chunk's many (other tiles):
     q comes out rotated, k rotated and v as it was land at each token's slot, and nothing else in the caches
-    changes; `stray`: the first token's slot is -1, which stores nothing; `transposed`: the projection is a transposed
-    product (linear.swapped: columns `tokens` apart). bf16 on a GPU; float32 in the interpreted process."""
+    changes; `stray`: the first token's slot is -1, which stores nothing. bf16 on a GPU; float32 in the interpreted
+    process."""
     device, dtype, g, rand = kernel_inputs(seed)
     q_heads, D = kv_heads * group, 2 * half
     pages = -(-tokens // page) + 2
     width = (q_heads + 2 * kv_heads) * D
-    qkv = rand(width + wider, tokens)[:width].t() if transposed else rand(tokens, width + wider)[:, :width]
+    qkv = rand(tokens, width + wider)[:, :width]
     angle = torch.rand(tokens, 1, half, generator=g) * 6.28 * 100
     cos, sin = angle.cos().to(dtype).to(device), angle.sin().to(dtype).to(device)
     slots = torch.randperm(pages * page, generator=g)[:tokens].to(device)
@@ -109,18 +109,6 @@ def test_the_down_split_partial_sums_add_up_to_the_projection(tokens, half, n, s
     assert linear.summed(want, torch.float32) is want  # a projection's own output passes through
 
 
-@settings(max_examples=25, deadline=None)
-@given(tokens=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 50), seed=st.integers(0, 2**16))
-def test_the_swapped_projection_is_the_projection_transposed_in_memory(tokens, k, n, seed):
-    """layers/linear.py's swapped: (weight @ x^T)^T, the projection [T, N] laid out as its transpose (strides (1, T),
-    which the activation after it reads); against the projection written plainly (float64)."""
-    g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(tokens, k, generator=g), torch.randn(n, k, generator=g)
-    y = linear.swapped(x, w)
-    assert y.shape == (tokens, n) and (n == 1 or tokens == 1 or y.stride() == (1, tokens))
-    torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-4)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bmm's float32 out_dtype is CUDA's")
 def test_the_down_split_on_the_gpu_equals_cublas_s_projection_eager_and_compiled():
@@ -140,33 +128,6 @@ def test_the_down_split_on_the_gpu_equals_cublas_s_projection_eager_and_compiled
         torch.testing.assert_close(region(x, r), torch.nn.functional.rms_norm(r + want, (2048,)), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_swapped_projections_on_the_gpu_equal_cublas_s_eager_and_compiled():
-    """bf16 on CUDA (linear.SWAP_AB_ROWS): gate/up as weight @ x^T and SiLU-and-mul reading its transpose, eager and
-    through a region compiled as the engine's (dynamic rows), and o the same way before the residual sum and norm,
-    against F.linear's (the products bf16 rounding apart)."""
-    from flexengine.layers.activation import act_and_mul
-    g = torch.Generator().manual_seed(0)
-    w = (torch.randn(2 * 8192, 2048, generator=g) * 0.02).to("cuda", torch.bfloat16)
-    region = torch.compile(lambda x: act_and_mul.eager(linear.swapped(x, w), "silu").contiguous(), dynamic=True,
-                           fullgraph=True)
-    for rows in (2, 8, 32):
-        x = torch.randn(rows, 2048, generator=g).to("cuda", torch.bfloat16)
-        want = act_and_mul.eager(torch.nn.functional.linear(x, w), "silu").float()
-        for got in (act_and_mul.eager(linear.swapped(x, w), "silu"), region(x)):
-            assert got.shape == want.shape
-            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-        assert region(x).is_contiguous()
-    w_o = (torch.randn(2048, 2048, generator=g) * 0.02).to("cuda", torch.bfloat16)  # o: the residual and norm after
-    o_region = torch.compile(lambda x, r: torch.nn.functional.rms_norm(r + linear.swapped(x, w_o).contiguous(),
-                                                                       (2048,)), dynamic=True, fullgraph=True)
-    for rows in (2, 32):
-        x, r = (torch.randn(rows, 2048, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
-        torch.testing.assert_close(o_region(x, r), torch.nn.functional.rms_norm(r + torch.nn.functional.linear(x, w_o),
-                                                                                (2048,)), rtol=2e-2, atol=2e-2)
-
-
 def generate(path, prompts, params, **config):
     llm = LLM(path, device="cpu", **config)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -180,11 +141,7 @@ PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250]}, {"prompt_token_ids"
 # op → (the decoder's test of whether a step takes it, the families whose layers keep the ordinary path: Qwen3's
 # per-head norm comes between q/k/v and rotary; Gemma 2's MLP is gelu's, and a norm follows it)
 OPS = {"rotary_store": ("stores_rotary", {"qwen3"}), "gate_up_silu": ("takes_gate_up_silu", {"gemma2"}),
-       "down_split": ("takes_down_split", {"gemma2"}),
-       # q/k/v's transposed product into the rotary + K/V store kernel (not Qwen3's: its per-head norm comes first),
-       # gate/up's into the activation and then down's split, o's: every family takes some, as the GPU's rows do
-       "swapped+down_split+stores_rotary": ("takes_swap_ab+takes_down_split+stores_rotary", set())}
-TRACED_OPS = {"down_split": torch.bmm, "swapped+down_split+stores_rotary": torch.mm}  # plain torch ops: dynamo traces them into the regions
+       "down_split": ("takes_down_split", {"gemma2"})}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -201,10 +158,8 @@ def test_the_decoders_path_through_the_op_equals_its_ordinary_path(op, family, t
     ordinary = generate(path, PROMPTS, params, **config)
     rows = []
     takes, ordinary_families = OPS[op]
-    for name in takes.split("+"):
-        monkeypatch.setattr(decoder, name, lambda x, *a: True)
-    op = op.split("+")[0]
     implementation = getattr(decoder, op)
+    monkeypatch.setattr(decoder, takes, lambda x: True)
     monkeypatch.setattr(decoder, op, lambda x, *a: rows.append(x.shape[0]) or implementation(x, *a))
     through_op = generate(path, PROMPTS, params, **config)
     assert (len(rows) > 0) == (family not in ordinary_families), rows
@@ -226,9 +181,9 @@ def test_the_op_traces_in_the_compiled_regions_without_recompiles(op, gpu_shaped
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     config = dict(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128)
     rows = []  # counted inside the op's implementation, which dynamo does not trace: its store, or its arithmetic
-    if op in TRACED_OPS:  # plain torch ops, traced into the regions: the graphs that dynamo hands over are counted
+    if op == "down_split":  # plain torch ops, traced into the regions: the graphs that dynamo hands over are counted
         def counting(gm, example_inputs):
-            rows.extend(2 for node in gm.graph.nodes if node.target is TRACED_OPS[op])
+            rows.extend(2 for node in gm.graph.nodes if node.target is torch.bmm)
             return gm.forward
         monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kw: COMPILE(fn, **{**kw, "backend": counting}))
     else:
@@ -236,15 +191,14 @@ def test_the_op_traces_in_the_compiled_regions_without_recompiles(op, gpu_shaped
         inner = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a: rows.append(a[2 if op == "rotary_store" else 0].shape[0])
                             or inner(*a))
-    for name in OPS[op][0].split("+"):
-        monkeypatch.setattr(decoder, name, lambda x, *a: True)
+    monkeypatch.setattr(decoder, OPS[op][0], lambda x: True)
     llm = LLM(path, device="cpu", **config)
     assert llm.llm_engine.runner.static_shapes
     before, ran = compile_count(), len(rows)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert compile_count() == before, "a shape compiled after warm-up"
-    if op in TRACED_OPS:
-        assert ran > 0, f"no compiled region holds {op}'s product"
+    if op == "down_split":
+        assert ran > 0, "no compiled region holds the split's product"
     else:  # prefill and decode steps of several rows took it
         assert len(rows) > ran and max(rows[ran:]) > 1, rows[ran:]
     monkeypatch.undo()

@@ -45,40 +45,12 @@ class MergedLinear(nn.Linear):
 DOWN_SPLIT_ROWS = 32
 
 
-def cuda_rows_up_to(x: torch.Tensor, limit: int) -> bool:
-    """Whether x holds 2..`limit` rows of a 16-bit model on CUDA (the CPU and a switched-off limit compare no dynamic
-    row count)."""
-    # the row count compared last: under dynamo a comparison of a symbolic size is a guard (and a graph each side)
-    return limit > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and 1 < x.shape[0] <= limit
-
-
 def takes_down_split(x: torch.Tensor) -> bool:
     """Whether the down projection of x's rows leaves two partial sums (`down_split`): 2..DOWN_SPLIT_ROWS rows of a
-    16-bit model on CUDA."""
-    return cuda_rows_up_to(x, DOWN_SPLIT_ROWS)
-
-
-# Up to this many rows (past one), each named bias-free projection runs as weight @ x^T ("swap AB": the weight's N
-# rows on the GEMM's long side, the few activation rows on its short one); the kernel after it in the same compiled
-# region reads the transposed product (gate/up's activation, q/k/v's rotary + K/V store kernel) or writes it
-# row-major as it reads it (o's output, which the residual-and-norm kernel reads and which leaves the region: a
-# strided one would be another guard on the next).
-# At 32 rows cuBLAS reads gate/up's weight [N, K] at ~2.5 TB/s as F.linear (27.0 µs) and ~2.6 as x @ W^T with W^T
-# stored [K, N] (25.6), q/k/v and o at 1.2-1.6 TB/s in every form it was given (session 33); this form of the same
-# [N, K] weight has not been timed (scripts/skinny_gemm_probe.py --swap; scripts/decode_step_probe.py
-# swap_qkv_rows=32,swap_gate_up_rows=32,swap_o_rows=32). 0: off.
-SWAP_AB_ROWS = {"qkv": 0, "gate_up": 0, "o": 0}
-
-
-def takes_swap_ab(x: torch.Tensor, projection: str) -> bool:
-    """Whether `projection` of x's rows runs as `swapped` (2..SWAP_AB_ROWS[projection] rows of a 16-bit model on
-    CUDA)."""
-    return cuda_rows_up_to(x, SWAP_AB_ROWS[projection])
-
-
-def swapped(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T computed as (weight @ x.T).T: [T, N] with strides (1, T), no copy of either operand."""
-    return torch.mm(weight, x.t()).t()
+    16-bit model on CUDA (the CPU and a switched-off DOWN_SPLIT_ROWS compare no dynamic row count)."""
+    # the row count compared last: under dynamo a comparison of a symbolic size is a guard (and a graph each side)
+    return (DOWN_SPLIT_ROWS > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and 1 < x.shape[0] <= DOWN_SPLIT_ROWS)
 
 
 def down_split(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -105,8 +105,7 @@ def _launch(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_k
     from triton import next_power_of_2 as pow2
     T, half = qkv.shape[0], cos.shape[-1]
     D = 2 * half
-    # rows of the projection, or its transposed product's columns (linear.swapped)
-    assert 1 in qkv.stride() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D, (qkv.shape, num_heads, half)
+    assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D, (qkv.shape, num_heads, half)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (num_kv_heads, D)
     cos, sin = cos.reshape(T, half), sin.reshape(T, half)
     assert cos.stride(1) == 1 and cos.stride() == sin.stride(), (cos.stride(), sin.stride())
@@ -119,8 +118,8 @@ def _launch(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads: int, num_k
     heads = num_heads + 2 * num_kv_heads
     block = pow2(heads) if T > 256 else min(8, pow2(heads))
     _kernel()[(T, -(-heads // block))](
-        qkv, cos, sin, slot_mapping, q, k_cache, v_cache, qkv.stride(0), qkv.stride(1), cos.stride(0),
-        Q_HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=half, HEADS_BLOCK=block, HALF_PAD=pow2(half), USE_PDL=pdl,
+        qkv, cos, sin, slot_mapping, q, k_cache, v_cache, qkv.stride(0), cos.stride(0), Q_HEADS=num_heads,
+        KV_HEADS=num_kv_heads, HALF=half, HEADS_BLOCK=block, HALF_PAD=pow2(half), USE_PDL=pdl,
         num_warps=4 if block * half >= 1024 else 1, **({"launch_pdl": True} if pdl else {}))
     return q
 

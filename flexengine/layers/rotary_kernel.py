@@ -4,25 +4,24 @@ import triton.language as tl
 
 
 @triton.jit
-def rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, qkv_stride, qkv_col_stride,
-                        cs_stride, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+def rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, qkv_stride, cs_stride,
+                        Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                         HEADS_BLOCK: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     # program (t, g) takes heads g * HEADS_BLOCK... of token t's row of the q/k/v projection, q's heads, then k's,
     # then v's [(Q_HEADS + 2 KV_HEADS) * 2 HALF]: q's and k's rotated (neox pairs (j, j + HALF): x1 cos - x2 sin,
     # x2 cos + x1 sin in float32, rounded once, as Inductor's rotary kernel), v's as they are; q into out
     # [T, Q_HEADS, 2 HALF], k and v into the caches at the token's slot (contiguous [pages, page size, KV_HEADS,
-    # 2 HALF]: slot * KV_HEADS * 2 HALF + the head's row). The projection may be a transposed product (its columns
-    # qkv_col_stride apart: linear.SWAP_AB_ROWS); Triton compiles a stride of 1 as a constant
+    # 2 HALF]: slot * KV_HEADS * 2 HALF + the head's row)
     t = tl.program_id(0)
     if USE_PDL:  # the projection before is cuBLAS's: it does not trigger early, but the launch itself overlaps
         tl.extra.cuda.gdc_wait()
     D: tl.constexpr = 2 * HALF
     h = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)[:, None]
     j = tl.arange(0, HALF_PAD)[None, :]
-    row = qkv_ptr + t.to(tl.int64) * qkv_stride + (h * D + j) * qkv_col_stride
+    row = qkv_ptr + t.to(tl.int64) * qkv_stride + h * D + j
     live = (h < Q_HEADS + 2 * KV_HEADS) & (j < HALF)
     x1 = tl.load(row, mask=live, other=0.0)
-    x2 = tl.load(row + HALF * qkv_col_stride, mask=live, other=0.0)
+    x2 = tl.load(row + HALF, mask=live, other=0.0)
     c = tl.load(cos_ptr + t * cs_stride + j, mask=j < HALF, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * cs_stride + j, mask=j < HALF, other=0.0).to(tl.float32)
     if USE_PDL:  # the attention kernel after may launch (it waits for these stores itself)

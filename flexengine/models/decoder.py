@@ -18,7 +18,7 @@ from ..attention.metadata import AttentionMetadata
 from ..layers.activation import ActAndMul
 from ..layers import gemv as one_row_gemv
 from ..layers.gemv import gate_up_silu, gemv, head_rows, norm_gemv, norm_gemv_rope, one_row, takes_gate_up_silu
-from ..layers.linear import down_split, summed, swapped, takes_down_split, takes_swap_ab
+from ..layers.linear import down_split, summed, takes_down_split
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary, rotary_store, stores_rotary
 from ..masks import causal, sliding_window, softcap
@@ -96,10 +96,7 @@ class DecoderAttention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
-        o = o.reshape(o.shape[0], self.q_size)
-        if self.o_proj.bias is None and self.o_proj.tp_size == 1 and takes_swap_ab(o, "o"):
-            return swapped(o, self.o_proj.weight).contiguous()  # (layers/linear.py's SWAP_AB_ROWS)
-        return self.o_proj(o)
+        return self.o_proj(o.reshape(o.shape[0], self.q_size))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata):
         return self.out(self.attn(*self.qkv(x, cos, sin), meta))
@@ -123,9 +120,6 @@ class DecoderMLP(nn.Module):
         """The down projection's input: act(gate) * up."""
         if self.gated_silu and self.gate_up_proj.bias is None and takes_gate_up_silu(x):  # (layers/gemv.py)
             return gate_up_silu(x, self.gate_up_proj.weight)
-        if self.gate_up_proj.bias is None and takes_swap_ab(x, "gate_up"):
-            # (layers/linear.py's SWAP_AB_ROWS; the product read in place, written row-major for the down projection)
-            return self.act(swapped(x, self.gate_up_proj.weight)).contiguous()
         return self.act(self.gate_up_proj(x))
 
     def one_row(self, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -189,10 +183,8 @@ class DecoderLayer(nn.Module):
                 x = x + attn_delta + summed(mlp_delta, x.dtype)
             attn = self.self_attn
             if self.rotary_store and stores_rotary(x) and k_cache.dtype == x.dtype:  # rotary and the store: one kernel
-                h, proj = self.input_layernorm(x), attn.qkv_proj
-                # (layers/linear.py's SWAP_AB_ROWS: the kernel reads the transposed product's columns)
-                qkv = swapped(h, proj.weight) if proj.bias is None and takes_swap_ab(h, "qkv") else proj(h)
-                q = rotary_store(qkv, cos, sin, slot_mapping, k_cache, v_cache, proj.num_heads, proj.num_kv_heads)
+                q = rotary_store(attn.qkv_proj(self.input_layernorm(x)), cos, sin, slot_mapping, k_cache, v_cache,
+                                 attn.qkv_proj.num_heads, attn.qkv_proj.num_kv_heads)
                 return q, x
             q, k, v = attn.qkv(self.input_layernorm(x), cos, sin)
         write_kv(k_cache, v_cache, k, v, slot_mapping)
