@@ -240,6 +240,21 @@ def test_compile_caches_default_to_flexengines_cache_folder_unless_set(monkeypat
     assert (os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"]) == ("/mine", "/mine/fa4")
 
 
+def test_inductor_compiles_into_flexengines_cache_folder_after_the_imports_a_user_makes(tmp_path):
+    """Importing torch._dynamo (as `from flexengine import LLM` does) sets TORCHINDUCTOR_CACHE_DIR to Inductor's temp
+    folder; the engine's defaults still move Inductor's cache, as Inductor itself reads it, under cache_dir()."""
+    import subprocess
+    import sys
+    code = ("import os; from flexengine import LLM; assert os.environ['TORCHINDUCTOR_CACHE_DIR']; "
+            "from flexengine.config import compile_cache_defaults; compile_cache_defaults(); "
+            "from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir; "
+            "print(cache_dir(), triton_cache_dir(0))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "FLEXENGINE_CACHE_DIR": str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(tmp_path / "inductor"), str(tmp_path / "inductor" / "triton" / "0")]
+
+
 def test_dtype_other_than_half_is_refused(providers):
     providers("FA4")
     with pytest.raises(ValueError, match="float32"):
