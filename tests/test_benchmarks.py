@@ -61,6 +61,17 @@ def test_throughput_prints_vllm_line(capsys, tmp_path):
     assert result["output_tokens_per_s"] * result["elapsed_s"] == pytest.approx(4 * 4)
 
 
+@pytest.mark.parametrize("name, rate", [("NVIDIA H100 80GB HBM3", 3.0e12), ("NVIDIA H200", 4.3e12),
+                                        ("NVIDIA A100-SXM4-80GB", 3.0e12), (None, 3.0e12)])
+def test_the_floor_s_bandwidth_follows_the_gpu(monkeypatch, name, rate):
+    """The H200's floors at its own bandwidth (its weight-read floor is ~30% below the H100's); any other GPU, or
+    none, at the H100's."""
+    from flexengine.benchmarks import common
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: name is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert common.hbm_bytes_per_s() == rate
+
+
 def test_latency_prints_decode_floor_and_fraction(capsys, tmp_path):
     out_json = tmp_path / "l.json"
     assert cli.main(["bench", "latency", "--batch-size", "2", "--input-len", "8", "--output-len", "4",

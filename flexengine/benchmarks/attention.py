@@ -2,10 +2,11 @@
 
     python -m flexengine.benchmarks.attention [--page-sizes 128 16] [--mask causal] [--score softcap:30] [--json out.json]
 
-Rows follow DESIGN.md's baselines: Hq=32, Hkv=8, D=128, bf16. Floors: decode = K/V bytes / 3.0 TB/s;
-prefill = causal FLOPs / 790 TFLOP/s (H100 SXM dense bf16). "meta" is the whole per-step metadata
-build (layout planning on the host, page map, page lists and BlockMasks on the device), as host
-wall time per step; flex and SDPA are kernel times (flex replayed from a CUDA graph, as the engine runs it).
+Rows follow DESIGN.md's baselines: Hq=32, Hkv=8, D=128, bf16. Floors: decode = K/V bytes / the HBM
+bandwidth (common.HBM_BYTES_PER_S: 3.0 TB/s on an H100, 4.3 on an H200); prefill = causal FLOPs / 790 TFLOP/s
+(dense bf16, the same on both). "meta" is the whole per-step metadata build (layout planning on the host, page
+map, page lists and BlockMasks on the device), as host wall time per step; flex and SDPA are kernel times (flex
+replayed from a CUDA graph, as the engine runs it).
 """
 from __future__ import annotations
 
@@ -22,9 +23,8 @@ from ..attention.metadata import build_metadata
 from ..attention.layout import choose_decode_splits, plan_layout, workspace_tokens
 from ..compile import compile_count
 from .. import masks
-from .common import write_json
+from .common import hbm_bytes_per_s, write_json
 
-HBM_BYTES_PER_S = 3.0e12
 BF16_FLOPS = 790e12
 DECODE = [(1, 4096), (8, 8192), (32, 512), (64, 2048), (256, 1024)]
 PREFILL = [(8, 1024), (2, 4096), (32, 512)]
@@ -205,7 +205,7 @@ def main(args) -> int:
         rows.append(r)
 
     for B, ctx in parse_cases(args.decode_cases) if args.decode_cases else DECODE:
-        floor = B * ctx * Hkv * D * 2 * 2 / HBM_BYTES_PER_S * 1e6
+        floor = B * ctx * Hkv * D * 2 * 2 / hbm_bytes_per_s() * 1e6
         measured(dict(kind="decode", B=B, ctx=ctx, floor=floor, sdpa=sdpa_decode(B, ctx, Hq, Hkv, D, device)))
     for N, L in [] if args.decode_only else PREFILL:
         floor = 4 * N * Hq * D * L * L / 2 / BF16_FLOPS * 1e6

@@ -24,10 +24,9 @@ import math
 import torch
 import torch._dynamo
 
-from .common import (HBM_BYTES_PER_S, add_engine_arguments, build_llm, check_lengths, decode_ms_per_token, device_name,
-                     engine_mode, engine_model, generate_timed, random_prompts, timed, ttft_summary, warm_up,
-                     weight_bytes,
-                     write_json)
+from .common import (add_engine_arguments, build_llm, check_lengths, decode_ms_per_token, device_name,
+                     engine_mode, engine_model, generate_timed, hbm_bytes_per_s, random_prompts, timed, ttft_summary,
+                     warm_up, weight_bytes, write_json)
 from .latency import measure_decode
 
 
@@ -187,12 +186,12 @@ def print_tables(args, rows: list[dict], b1_rows: list[dict], nbytes: int) -> No
             f" (transformers ran {tf['prompts']} prompts, flexengine {fe['prompts']})"
         print(f"flexengine / transformers output tok/s: {fe['output_tok_s'] / tf['output_tok_s']:.2f}x{counts}")
     if b1_rows:
-        floor = nbytes / HBM_BYTES_PER_S * 1e3
+        floor = nbytes / hbm_bytes_per_s() * 1e3
         print(f"\n| batch 1, {args.batch1_input_len} in x {args.batch1_output_len} out | ms/token |")
         print("|---|---|")
         for r in b1_rows:
             print(f"| {r['engine']} | {r['ms_per_token']:.3f} |")
-        print(f"| weight-read floor ({nbytes / 1e9:.2f} GB at {HBM_BYTES_PER_S / 1e12:.1f} TB/s) | {floor:.4g} |")
+        print(f"| weight-read floor ({nbytes / 1e9:.2f} GB at {hbm_bytes_per_s() / 1e12:.1f} TB/s) | {floor:.4g} |")
 
 
 def main(args) -> int:

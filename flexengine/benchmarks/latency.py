@@ -15,8 +15,9 @@ import statistics
 
 import numpy as np
 
-from .common import (HBM_BYTES_PER_S, add_engine_arguments, build_llm, decode_ms_per_token, device_name, engine_mode,
-                     engine_model, generate_fixed, random_prompts, warm_up, weight_bytes, write_json)
+from .common import (add_engine_arguments, build_llm, decode_ms_per_token, device_name, engine_mode,
+                     engine_model, generate_fixed, hbm_bytes_per_s, random_prompts, warm_up, weight_bytes,
+                     write_json)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters", type=int, default=3, help="timed runs of each length (median)")
     p.add_argument("--num-iters-warmup", type=int, default=1, help="untimed runs of each length first")
     p.add_argument("--temperature", type=float, default=1.0, help="1.0 as vLLM's benchmark; 0 is greedy")
-    p.add_argument("--hbm-bandwidth", type=float, default=HBM_BYTES_PER_S, help="bytes/s for the floor")
+    p.add_argument("--hbm-bandwidth", type=float, default=None,
+                   help="bytes/s for the floor (default: 3.0e12 on an H100, 4.3e12 on an H200)")
     add_engine_arguments(p)
 
 
@@ -58,7 +60,8 @@ def main(args) -> int:
     warm_s = warm_up(llm, args.input_len, args.seed, num_prompts=args.batch_size)
     m = measure_decode(llm, args.batch_size, args.input_len, args.output_len, args.num_iters,
                        args.num_iters_warmup, args.temperature, args.seed)
-    nbytes, floor = floor_ms(llm, args.hbm_bandwidth)
+    bandwidth = args.hbm_bandwidth or hbm_bytes_per_s()
+    nbytes, floor = floor_ms(llm, bandwidth)
     full = np.array(m["full_s"])
     mode = engine_mode(llm)
     print(f"# flexengine latency | {device_name()} | {args.model or 'embedded default model'} | {mode} | "
@@ -69,7 +72,7 @@ def main(args) -> int:
     print(f"Prefill + 1 token (median): {statistics.median(m['one_s']) * 1e3:.2f} ms")
     print(f"Decode: {m['ms_per_token']:.3f} ms per output token "
           f"({args.batch_size / m['ms_per_token'] * 1e3:.1f} output tokens/s)")
-    print(f"Weight-read floor: {floor:.4g} ms per step ({nbytes / 1e9:.2f} GB at {args.hbm_bandwidth / 1e12:.2f} TB/s)")
+    print(f"Weight-read floor: {floor:.4g} ms per step ({nbytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s)")
     print(f"Achieved fraction of floor: {floor / m['ms_per_token']:.3g}")
     print(f"Cold start (load + compile + graph capture): {build_s + warm_s:.2f} s")
     write_json(args.json_out, dict(
