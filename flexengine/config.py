@@ -144,14 +144,13 @@ def fa4_disk_cache_default() -> None:
 def compile_cache_defaults() -> None:
     """Keep a GPU engine's compiled kernels where the machine's next start finds them, as vLLM keeps its own under
     ~/.cache/vllm: Inductor's cache (and the Triton cache inside it) in cache_dir()/inductor unless
-    TORCHINDUCTOR_CACHE_DIR names another folder (Inductor's default is the temp folder, which a reboot empties), FA4's as
-    fa4_disk_cache_default. A first start compiles everything (~145 s at the 1B model's 131,072 context on the H100),
-    a start that finds the caches 43-54 s (session 31). Called before the engine compiles anything."""
+    TORCHINDUCTOR_CACHE_DIR names another folder (Inductor's default is the temp folder, which a reboot empties),
+    FA4's as fa4_disk_cache_default. A first start compiles everything (~145 s at the 1B model's 131,072 context on
+    the H100), a start that finds the caches 43-54 s (session 31). Called before the engine compiles anything."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     fa4_disk_cache_default()
     # importing torch._dynamo writes Inductor's default (the temp folder) into the variable: that value is torch's
-    ours = os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir()))
-    if ours:
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), "inductor")
 
 
