@@ -204,8 +204,9 @@ def main(args) -> int:
         print("| " + " | ".join(cells) + " |", flush=True)
         rows.append(r)
 
+    bandwidth = hbm_bytes_per_s()
     for B, ctx in parse_cases(args.decode_cases) if args.decode_cases else DECODE:
-        floor = B * ctx * Hkv * D * 2 * 2 / hbm_bytes_per_s() * 1e6
+        floor = B * ctx * Hkv * D * 2 * 2 / bandwidth * 1e6
         measured(dict(kind="decode", B=B, ctx=ctx, floor=floor, sdpa=sdpa_decode(B, ctx, Hq, Hkv, D, device)))
     for N, L in [] if args.decode_only else PREFILL:
         floor = 4 * N * Hq * D * L * L / 2 / BF16_FLOPS * 1e6

@@ -186,12 +186,13 @@ def print_tables(args, rows: list[dict], b1_rows: list[dict], nbytes: int) -> No
             f" (transformers ran {tf['prompts']} prompts, flexengine {fe['prompts']})"
         print(f"flexengine / transformers output tok/s: {fe['output_tok_s'] / tf['output_tok_s']:.2f}x{counts}")
     if b1_rows:
-        floor = nbytes / hbm_bytes_per_s() * 1e3
+        bandwidth = hbm_bytes_per_s()
+        floor = nbytes / bandwidth * 1e3
         print(f"\n| batch 1, {args.batch1_input_len} in x {args.batch1_output_len} out | ms/token |")
         print("|---|---|")
         for r in b1_rows:
             print(f"| {r['engine']} | {r['ms_per_token']:.3f} |")
-        print(f"| weight-read floor ({nbytes / 1e9:.2f} GB at {hbm_bytes_per_s() / 1e12:.1f} TB/s) | {floor:.4g} |")
+        print(f"| weight-read floor ({nbytes / 1e9:.2f} GB at {bandwidth / 1e12:.1f} TB/s) | {floor:.4g} |")
 
 
 def main(args) -> int:
