@@ -67,4 +67,8 @@ def down_split(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def summed(delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A projection's output [T, N]: `down_split`'s partial sums added and rounded to the model's dtype (as cuBLAS
     rounds its own output), or the output itself."""
-    return delta if delta.dim() == 2 else delta.sum(0).to(dtype)
+    if delta.dim() == 2:
+        return delta
+    # Two selects, not .sum(0): the regions compile dynamic in every size, and a reduction over a dimension of
+    # unknown size is a kernel of its own, where two pointwise adds join the norm that reads them (session 43)
+    return (delta[0] + delta[1]).to(dtype)
