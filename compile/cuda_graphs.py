@@ -152,11 +152,12 @@ def own_layout_tensors(meta: AttentionMetadata) -> AttentionMetadata:
     return meta
 
 
-def refresh_decode_metadata(meta: AttentionMetadata, backend, mods) -> None:
+def refresh_decode_metadata(meta: AttentionMetadata, backend, mods, kept_lists: dict | None = None) -> None:
     """Everything in a decode step's metadata that depends on lengths and tables, as device ops (on CUDA the
-    positions through Inductor, as the page lists in backend.prepare: a few kernels, not a launch per op)."""
+    positions through Inductor, as the page lists in backend.prepare: a few kernels, not a launch per op).
+    kept_lists: per mask, the pool-wide page-list tables the lists are written into (paged_mods.decode_lists)."""
     (_compiled_positions() if meta.block_tables.is_cuda else refresh_decode_positions)(meta)
-    meta.backend_state = {}
+    meta.backend_state = {} if kept_lists is None else {"kept_lists": kept_lists}
     backend.prepare(meta, mods)
 
 
@@ -208,6 +209,9 @@ class DecodeGraphRunner:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}
         self.pool = None
+        # Per mask, the pool-wide page-list tables every bucket's graph writes the leading rows and columns of (made
+        # at the first step, before any capture): zeros past the table width, which no step writes again
+        self.kept_lists: dict | None = None
         self.graph_bytes = 0
         self.capture_seconds = 0.0
         # each bucket's compile + capture seconds and the graphs dynamo compiled for it (start-up's breakdown)
@@ -234,14 +238,23 @@ class DecodeGraphRunner:
             self.metas[bs] = meta
         return self.metas[bs]
 
+    def list_buffers(self) -> dict[str, torch.Tensor]:
+        """One mask's pool-wide decode page lists at the largest bucket's rows (paged_mods.build_block_masks' `out`)."""
+        rows = max(bs * self.splits[bs] for bs in self.buckets)
+        with torch.inference_mode():
+            return {name: torch.zeros(rows, self.num_blocks, dtype=torch.int32, device=self.device)
+                    for name in ("decode", "decode_full")}
+
     def step(self, bs: int) -> torch.Tensor:
         meta = self.static_meta(bs)
         b = self.bufs
+        if self.kept_lists is None:
+            self.kept_lists = {mask_mod: self.list_buffers() for mask_mod in dict.fromkeys(m for m, _ in self.mods)}
         with decode_regions(bs <= COMBO_UP_TO):  # small batches: the buckets whose steps are launch-bound
             (_compiled_take_inputs() if b.inputs.is_cuda else take_inputs)(
                 b.inputs, b.fed_ids, b.input_ids[:bs], b.positions[:bs], b.seq_lens, b.block_tables,
                 b.slot_mapping[:bs], self.block_size, b.scratch_slot)
-            refresh_decode_metadata(meta, self.backend, self.mods)
+            refresh_decode_metadata(meta, self.backend, self.mods, self.kept_lists)
             return self.forward_logits(b.input_ids[:bs], b.positions[:bs], meta)
 
     @torch.inference_mode()

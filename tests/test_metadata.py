@@ -266,7 +266,9 @@ def test_decode_splits_env_caps_the_splits_and_refuses_nonsense(monkeypatch):
 def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path):
     """The decode page lists through Inductor (as the CUDA engine's decode graphs build them, here on the CPU)
     equal the eager ones for every built-in mask, over buckets of 1-32 rows with 1-32 splits each, and one
-    dynamic graph serves them (a recompile per bucket would cost start-up and could reach dynamo's limit)."""
+    dynamic graph serves them (a recompile per bucket would cost start-up and could reach dynamo's limit). Each
+    bucket writes its lists into the leading rows and columns of the same pool-wide tables, as the decode graphs'
+    kept tables are written: what a BlockMask reads is page_lists' lists then zeros, whatever bucket ran before."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cached graph brings its old guards
     from flexengine.attention.backends.paged_mods import decode_lists
     from flexengine.compile import compile_count, compiled_on_first_use
@@ -282,6 +284,7 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
     for case in (CASE_LIST[0], CASE_LIST[2], CASE_LIST[-1], (per_request_prefix, None)):
         mask = masks.get_mask_mod(case[0])
         before = compile_count()
+        kept = [[torch.zeros(32, NB, dtype=torch.int32) for _ in range(2)] for _ in range(2)]  # eager's, compiled's
         # as the decode graphs run them: lengths and tables of every row of the buffers (32), the bucket's leading
         # rows read, the largest bucket first
         for bs, splits in [(32, 1), (16, 2), (8, 4), (4, 8), (2, 16), (1, 32), (3, 5), (24, 1)]:
@@ -297,9 +300,16 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
             for name in ("phys_to_logical", "span_q_lo", "span_q_hi"):
                 assert torch.equal(getattr(metas[0], name), getattr(metas[1], name)), (case[0], bs, name)
             values = [torch.tensor([rng.randint(0, 60) for _ in range(32)])] if case[1] is None else []
-            want, got = decode_lists(metas[0], mask, values, NB), lists(metas[1], mask, values, NB)
+            want, got = decode_lists(metas[0], mask, values, *kept[0]), lists(metas[1], mask, values, *kept[1])
             for a, b in zip(want, got):
                 assert torch.equal(a, b), (case[0], bs, splits)
+            kv_num, kv_idx, full_num, full_idx = page_lists(metas[0], mask, values)
+            rows = len(kv_idx)  # (bs * splits at most: plan_layout may give a row fewer splits)
+            assert rows <= bs * splits
+            read = [0, 1] if decode_full_lists(metas[0]) else [0]  # (no full list: kernel splits)
+            for lists_RM, eager, compiled in [((kv_idx, full_idx)[i], kept[0][i], kept[1][i]) for i in read]:
+                assert torch.equal(eager[:rows, :13], lists_RM) and not eager[:rows, 13:].any(), (case[0], bs)
+                assert torch.equal(compiled[:rows], eager[:rows]), (case[0], bs, splits)
         # a graph for one row (dynamo specialises size 1), one for split rows, one for unsplit ones; the positions'
         # two come with the first mask. Sizes equal at the first trace (32 rows of 32) taken as one symbol made
         # 8 of the first mask's (compile/policy.py: without_duck_sizing)

@@ -207,38 +207,31 @@ def _pool_wide(idx_NM: torch.Tensor, num_blocks: int, out: torch.Tensor | None =
     return out
 
 
-def _kept(out: dict | None, name, idx_NM: torch.Tensor) -> torch.Tensor:
-    """idx_NM itself, or copied into the leading rows of `out[name]` (a buffer that outlives the step): the decode
-    lists, which the compiled decode_lists widens to the pool itself."""
-    if out is None:
-        return idx_NM
-    kept = out[name][: idx_NM.shape[0]]
-    kept.copy_(idx_NM)
-    return kept
-
-
 def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, workspace_pages: int,
                       direct: bool = False, q_tiles: int = 1, out: dict | None = None):
     """(decode BlockMask or None, prefill BlockMask or None) for one logical mask. Decode rows read
     the pool's pages; prefill tiles read KV_TILE blocks of a workspace of `workspace_pages` pages, or with
     `direct` (pages of KV_TILE tokens) the pool's pages in place, at most `workspace_pages` a q block of
-    `q_tiles` tiles. `out`: buffers [rows, num_blocks] that the pool-wide page lists are copied into, by name
-    ("decode", "decode_full", "prefill", "prefill_full"; the graphs of compile/mixed_graphs.py keep their
-    metadata, and a pool-wide list per graph was ~16-64 MB)."""
+    `q_tiles` tiles. `out`: tables [rows, num_blocks] that outlive the step, by name ("decode", "decode_full",
+    "prefill", "prefill_full"), which the decode lists are written into (decode_lists) and the prefill lists copied
+    into (a pool-wide list per graph was ~16-64 MB: compile/mixed_graphs.py's plan graphs and compile/cuda_graphs.py's
+    decode graphs share a set)."""
     lay, P = meta.layout, meta.block_size
     values = param_values(meta, mask_mod, MASK_ARGS)
     Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
     dec = pre = None
     if Bd:
         M = meta.num_blocks
+        kv_idx, full_idx = (out["decode"], out["decode_full"]) if out is not None else (
+            meta.block_tables.new_zeros(Bd, M), meta.block_tables.new_zeros(Bd, M))
         lists = _compiled_decode_lists() if listed_only else decode_lists  # (listed_only: compiled, on CUDA)
-        kv_num, kv_idx, full_num, full_idx = lists(meta, mask_mod, values, M)
+        kv_num, full_num = lists(meta, mask_mod, values, kv_idx, full_idx)
         # no full lists where page_lists made every page partial (kernel splits: flex's decode template splits a
         # full list by the pool's length, not the row's list)
         full = (None, None) if not decode_full_lists(meta) else (
-            full_num.view(Bd, 1, 1), _kept(out, "decode_full", full_idx).view(Bd, 1, 1, M))
+            full_num.view(Bd, 1, 1), full_idx[:Bd].view(Bd, 1, 1, M))
         dec = BlockMask.from_kv_blocks(
-            kv_num.view(Bd, 1, 1), _kept(out, "decode", kv_idx).view(Bd, 1, 1, M), *full,
+            kv_num.view(Bd, 1, 1), kv_idx[:Bd].view(Bd, 1, 1, M), *full,
             BLOCK_SIZE=(Q_TILE, P), mask_mod=paged_mask(meta, mask_mod, True, listed_only),
             seq_lengths=(1, M * P), compute_q_blocks=False)
     if Tp and direct:
@@ -273,10 +266,20 @@ def heads_as_rows_block_mask(meta: AttentionMetadata, dec: BlockMask, mask_mod, 
         compute_q_blocks=False)
 
 
-def decode_lists(meta: AttentionMetadata, mask_mod, values: list[torch.Tensor], num_blocks: int):
-    """The decode BlockMask's four tensors: page_lists, the lists widened to the pool."""
+def decode_lists(meta: AttentionMetadata, mask_mod, values: list[torch.Tensor], kv_idx_out: torch.Tensor,
+                 full_idx_out: torch.Tensor):
+    """The decode rows' page lists (page_lists) written into the leading rows and columns of pool-wide tables
+    [>= rows, num_blocks], zeros elsewhere: → (partial counts, full counts). Flex wants the BlockMask as wide as the
+    pool, but reads a row only up to its count (<= the table width M), so the columns past M stay the zeros they
+    were made with, and a step writes [rows, M] instead of widening to [rows, pool] (two pool-wide tables were
+    2 x 4 MB a batch-32 step over a 31,289-page pool, 2 x 32 MB at 256 rows: session 43). The full list only where
+    the step has one (decode_full_lists)."""
     kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, values)
-    return kv_num, _pool_wide(kv_idx, num_blocks), full_num, _pool_wide(full_idx, num_blocks)
+    (N, M), num_blocks = kv_idx.shape, kv_idx_out.shape[1]
+    kv_idx_out[:N, : min(M, num_blocks)] = kv_idx[:, :num_blocks]
+    if decode_full_lists(meta):
+        full_idx_out[:N, : min(M, num_blocks)] = full_idx[:, :num_blocks]
+    return kv_num, full_num
 
 
 # One Inductor graph for the ~40 small integer ops of the lists, which a decode CUDA graph otherwise replays as as
