@@ -7,6 +7,7 @@ requests already streaming).
     python3 scripts/profile_step.py --model /tmp/llama1b --request-rate 16   # arrivals as a server sees them
     python3 scripts/profile_step.py --model /dev/shm/llama8b --tensor-parallel-size 2   # rank 0's kernels, all-reduces apart
     python3 scripts/profile_step.py --model /tmp/llama1b --decode-workload json   # issue 20: JSON-mode decode steps
+    python3 scripts/profile_step.py --model /tmp/llama1b --decode-batches 32 --kernel-order   # one step, in order
 
 `--decode-workload json` profiles the decode steps with every request under `bench throughput`'s first JSON schema
 (temperature 1): a GPU busy share well under the plain steps' says the host's grammar work (accepting tokens,
@@ -143,7 +144,19 @@ def print_kernels(prof, steps: int, wall: float, what: str) -> None:
         print(f"| {name[:90]} | {count / steps:.1f} | {us / steps:.1f} |")
 
 
-def profile_decode(llm, batch: int, input_len: int, steps: int = 8, workload: str = "plain") -> None:
+def print_kernel_order(prof, steps: int) -> None:
+    """The last profiled step's device work in launch order: a generic Inductor name (`triton_poi_fused_0`, a combo
+    kernel) is placed by its neighbours."""
+    from torch.autograd import DeviceType
+    work = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    print("| # | kernel, in launch order (the last step) | us |")
+    print("|---|---|---|")
+    for i, e in enumerate(work[len(work) - len(work) // steps:]):
+        print(f"| {i} | {e.name[:90]} | {e.time_range.elapsed_us():.1f} |")
+
+
+def profile_decode(llm, batch: int, input_len: int, steps: int = 8, workload: str = "plain",
+                   kernel_order: bool = False) -> None:
     """Bring `batch` requests to decode, then profile `steps` pure decode steps of all of them."""
     engine = llm.llm_engine
     ids = [f"p{batch}-{i}" for i in range(batch)]
@@ -158,6 +171,8 @@ def profile_decode(llm, batch: int, input_len: int, steps: int = 8, workload: st
         engine.abort_request(rid)
     print_kernels(prof, steps, wall, f"{workload} decode batch {batch}" + (
         f" ({running} still running at the end)" if running != batch else ""))
+    if kernel_order:
+        print_kernel_order(prof, steps)
 
 
 def profile_arrival(llm, batch: int, input_len: int) -> None:
@@ -197,6 +212,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context per request (default: the model's own; a short one builds faster)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests per step")
+    p.add_argument("--kernel-order", action="store_true",
+                   help="after each decode batch's table, its last step's kernels in launch order")
     args = p.parse_args()
     start = time.perf_counter()
     llm = LLM(args.model, dtype="bfloat16" if torch.cuda.is_available() else "auto",
@@ -211,7 +228,7 @@ def main() -> None:
     step_kinds(llm, random_prompts(args.num_prompts, args.input_len, llm.llm_engine.vocab_size, 0), args.output_len,
                args.request_rate)
     for b in map(int, args.decode_batches.split(",")):
-        profile_decode(llm, b, args.input_len, workload=args.decode_workload)
+        profile_decode(llm, b, args.input_len, workload=args.decode_workload, kernel_order=args.kernel_order)
     if args.arrival_batch:
         profile_arrival(llm, args.arrival_batch, args.input_len)
 
