@@ -132,8 +132,9 @@ class MixedGraphRunner:
         # keys past max_tiles: the graph of their plan and metadata, and what it leaves (ids, positions, metadata)
         self.plan_graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
         self.planned: dict[MixedKey, tuple] = {}
-        # The plan graphs' pool-wide page lists, per mask: one set at capacity, which every key's graph writes (a
-        # graph's outputs stay allocated while it lives: a set per key held ~2 GiB more at 31,000 pages, session 34)
+        # The pool-wide page lists, per mask: one set at capacity, which every key's graph writes (a plan graph's
+        # outputs stay allocated while it lives: a set per key held ~2 GiB more at 31,000 pages, session 34; and the
+        # decode rows' lists are written [rows, table width] into tables whose other columns stay zero, session 43)
         self.kept_lists: dict | None = None
         self.capture_seconds = 0.0
 
@@ -165,7 +166,7 @@ class MixedGraphRunner:
         meta = metadata_on_device(key.layout(), {name: v[name] for name in LAYOUT_FIELDS}, tables, seq_lens.int(),
                                   v["slots"].clone(), self.block_size, self.num_blocks, self.params)
         meta.backend = self.backend
-        if not self.whole(key):
+        if self.kept_lists is not None:  # (run makes them before a key's first plan)
             meta.backend_state["kept_lists"] = self.kept_lists
         self.backend.prepare(meta, self.mods)
         # Fresh tensors (no storage offset), as the ordinary step passes them: no new compiled variant.
@@ -212,6 +213,7 @@ class MixedGraphRunner:
         if key in self.graphs:
             self.graphs[key].replay()
             return self.hidden[key][:n]
+        self.keep_lists()
         hidden = self.forward(key)
         if self.use_graphs:
             self.capture(key)
@@ -222,8 +224,7 @@ class MixedGraphRunner:
         if key in self.plan_graphs:
             self.plan_graphs[key].replay()
             return self.planned[key]
-        if self.kept_lists is None:
-            self.kept_lists = {mask_mod: self.list_buffers() for mask_mod in dict.fromkeys(m for m, _ in self.mods)}
+        self.keep_lists()
         planned = self.plan(key)  # (eagerly first: what compiles on first use does so outside the capture)
         if not self.use_graphs:
             return planned
@@ -235,6 +236,11 @@ class MixedGraphRunner:
         self.capture_seconds += time.perf_counter() - start
         graph.replay()  # (capture runs nothing)
         return self.planned[key]
+
+    def keep_lists(self) -> None:
+        """The kept page-list tables, made at a key's first (eager) run, before any capture."""
+        if self.kept_lists is None:
+            self.kept_lists = {mask_mod: self.list_buffers() for mask_mod in dict.fromkeys(m for m, _ in self.mods)}
 
     def list_buffers(self) -> dict[str, torch.Tensor]:
         """One mask's pool-wide page lists at the plan's capacity (paged_mods.build_block_masks' `out`)."""
