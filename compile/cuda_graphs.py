@@ -152,13 +152,23 @@ def own_layout_tensors(meta: AttentionMetadata) -> AttentionMetadata:
     return meta
 
 
-def refresh_decode_metadata(meta: AttentionMetadata, backend, mods, kept_lists: dict | None = None) -> None:
+def refresh_decode_metadata(meta: AttentionMetadata, backend, mods, kept_lists: dict) -> None:
     """Everything in a decode step's metadata that depends on lengths and tables, as device ops (on CUDA the
     positions through Inductor, as the page lists in backend.prepare: a few kernels, not a launch per op).
-    kept_lists: per mask, the pool-wide page-list tables the lists are written into (paged_mods.decode_lists)."""
+    kept_lists: per mask, the pool-wide page-list tables the lists are written into (kept_page_lists)."""
     (_compiled_positions() if meta.block_tables.is_cuda else refresh_decode_positions)(meta)
-    meta.backend_state = {} if kept_lists is None else {"kept_lists": kept_lists}
+    meta.backend_state = {"kept_lists": kept_lists}
     backend.prepare(meta, mods)
+
+
+def kept_page_lists(mods, rows: dict[str, int], num_blocks: int, device) -> dict:
+    """Per mask of `mods`, zeroed pool-wide page-list tables [rows, num_blocks] int32 by name, each with its full
+    list's (name + "_full"): paged_mods.build_block_masks' `out`, which a graph's lists are written into. Made
+    before any capture (in a capture they would be the graph's own memory, zeroed at each replay)."""
+    with torch.inference_mode():  # (as the ordinary step's tensors: a dispatch-key difference is a recompile)
+        return {mask_mod: {name + full: torch.zeros(n, num_blocks, dtype=torch.int32, device=device)
+                           for name, n in rows.items() for full in ("", "_full")}
+                for mask_mod in dict.fromkeys(m for m, _ in mods)}
 
 
 def refresh_decode_positions(meta: AttentionMetadata) -> None:
@@ -238,18 +248,12 @@ class DecodeGraphRunner:
             self.metas[bs] = meta
         return self.metas[bs]
 
-    def list_buffers(self) -> dict[str, torch.Tensor]:
-        """One mask's pool-wide decode page lists at the largest bucket's rows (paged_mods.build_block_masks' `out`)."""
-        rows = max(bs * self.splits[bs] for bs in self.buckets)
-        with torch.inference_mode():
-            return {name: torch.zeros(rows, self.num_blocks, dtype=torch.int32, device=self.device)
-                    for name in ("decode", "decode_full")}
-
     def step(self, bs: int) -> torch.Tensor:
         meta = self.static_meta(bs)
         b = self.bufs
-        if self.kept_lists is None:
-            self.kept_lists = {mask_mod: self.list_buffers() for mask_mod in dict.fromkeys(m for m, _ in self.mods)}
+        if self.kept_lists is None:  # at the largest bucket's rows
+            rows = max(b * self.splits[b] for b in self.buckets)
+            self.kept_lists = kept_page_lists(self.mods, {"decode": rows}, self.num_blocks, self.device)
         with decode_regions(bs <= COMBO_UP_TO):  # small batches: the buckets whose steps are launch-bound
             (_compiled_take_inputs() if b.inputs.is_cuda else take_inputs)(
                 b.inputs, b.fed_ids, b.input_ids[:bs], b.positions[:bs], b.seq_lens, b.block_tables,

@@ -31,7 +31,7 @@ from ..attention.device_plan import PlanCapacity, align_pages, key_views, plan_o
 from ..attention.metadata import LAYOUT_FIELDS, metadata_on_device
 from ..attention.layout import KV_TILE, Q_TILE, StepLayout, choose_decode_splits, segment_capacity
 from ..attention.staging import copy_into
-from .cuda_graphs import graph_capture
+from .cuda_graphs import graph_capture, kept_page_lists
 from .policy import compiled_on_first_use, decode_buckets
 
 logger = logging.getLogger(__name__)
@@ -238,16 +238,10 @@ class MixedGraphRunner:
         return self.planned[key]
 
     def keep_lists(self) -> None:
-        """The kept page-list tables, made at a key's first (eager) run, before any capture."""
+        """The kept page-list tables at the plan's capacity, made at a key's first (eager) run, before any capture."""
         if self.kept_lists is None:
-            self.kept_lists = {mask_mod: self.list_buffers() for mask_mod in dict.fromkeys(m for m, _ in self.mods)}
-
-    def list_buffers(self) -> dict[str, torch.Tensor]:
-        """One mask's pool-wide page lists at the plan's capacity (paged_mods.build_block_masks' `out`)."""
-        rows = {"decode": self.capacity.decode_rows, "prefill": self.capacity.tiles}
-        with torch.inference_mode():
-            return {name + full: torch.zeros(n, self.num_blocks, dtype=torch.int32, device=self.device)
-                    for name, n in rows.items() for full in ("", "_full")}
+            rows = {"decode": self.capacity.decode_rows, "prefill": self.capacity.tiles}
+            self.kept_lists = kept_page_lists(self.mods, rows, self.num_blocks, self.device)
 
     def capture(self, key: MixedKey) -> None:
         start = time.perf_counter()
