@@ -4,8 +4,10 @@ what `pack_lengths`, the feed of pending samples and the decode tracker cost on 
     python3 scripts/host_pack_probe.py [--requests 256 --chunks 6 --chunk-len 256 --repeat 7]
 
 The GPU boxes' CPUs drift within a call (docs/benchmarks.md, sessions 34-35), so a change to these functions is best
-compared here first, in one process: run the script on both trees one after the other, twice. Rows (best of
-`--repeat` rounds of 300 calls, µs):
+compared here first, in one process: `--base DIR` (a checkout of the base, e.g. `git worktree add /tmp/base REV`)
+times that tree's `pack_lengths` beside this one's, round by round (their step_inputs.py alone: its imports resolve
+to this tree's modules); running the script on both trees one after the other moved 1.6x between runs on the dev
+CPU. Rows (best of `--repeat` rounds of 300 calls, the rows interleaved round by round, µs):
 - pack_lengths of a mixed step: `--chunks` prompt chunks of `--chunk-len` tokens, the other requests decoding;
 - feed of that step (every decode row waits on the step in flight), given the rows as pack_lengths found them;
 - DecodeTracker.next_step of a decode batch one token on: the same batch, and the batch less one request (gathered).
@@ -13,6 +15,8 @@ compared here first, in one process: run the script on both trees one after the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 import timeit
 import types
 
@@ -49,8 +53,22 @@ def make_batch(requests: int, chunks: int, chunk_len: int, seed: int = 0):
     return decoding, prefilling, tables
 
 
-def best(fn, repeat: int, number: int = 300) -> float:
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+def base_pack_lengths(tree: str):
+    """pack_lengths of `tree`'s engine/step_inputs.py, loaded beside this tree's."""
+    name = "flexengine.engine.base_step_inputs"
+    spec = importlib.util.spec_from_file_location(name, f"{tree}/flexengine/engine/step_inputs.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.pack_lengths
+
+
+def best_interleaved(rows, repeat: int, number: int = 300) -> dict[str, float]:
+    """Each row's best round, the rows taking turns round by round (so a drift of the CPU meets them all)."""
+    times = {name: [] for name, _ in rows}
+    for _ in range(repeat):
+        for name, fn in rows:
+            times[name].append(timeit.timeit(fn, number=number) / number * 1e6)
+    return {name: min(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -59,6 +77,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=6, help="of the requests, how many prefill a chunk")
     p.add_argument("--chunk-len", type=int, default=256)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--base", default=None, metavar="DIR", help="a checkout whose pack_lengths is timed beside this one's")
     args = p.parse_args()
     decoding, prefilling, tables = make_batch(args.requests, args.chunks, args.chunk_len)
     seqs = prefilling + decoding  # (the scheduler puts chunks first)
@@ -86,12 +105,16 @@ def main() -> None:
             ("feed (rows from pack_lengths)", lambda: prev.feed(seqs, packed.last_rows, "cpu", packed.table_rows)),
             ("DecodeTracker: record, then the same batch one on", lambda: tracked(decoding)),
             ("DecodeTracker: record, then one request fewer (gathered)", lambda: tracked(decoding[1:]))]
+    if args.base:
+        base = base_pack_lengths(args.base)
+        np.testing.assert_array_equal(base(batch, args.requests).ids, packed.ids)
+        rows.insert(1, (f"pack_lengths, {args.base}'s", lambda: base(batch, args.requests)))
     print(f"# {args.requests} requests ({args.chunks} prompt chunks of {args.chunk_len}), torch {torch.__version__}; "
-          f"best of {args.repeat} x 300 calls, µs")
+          f"best of {args.repeat} rounds of 300 calls, µs")
     print("| host function | µs |")
     print("|---|---|")
-    for name, fn in rows:
-        print(f"| {name} | {best(fn, args.repeat):.1f} |")
+    for name, us in best_interleaved(rows, args.repeat).items():
+        print(f"| {name} | {us:.1f} |")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ class BlockTables:
 def table_rows(seqs: list) -> np.ndarray | None:
     """Each sequence's BlockTables row, int64 [len(seqs)], or None when one of them holds none (warm-up and profiling
     dummies fill their lists themselves)."""
-    index = np.array(list(map(table_row_of, seqs)), dtype=np.int64)
+    index = np.fromiter(map(table_row_of, seqs), dtype=np.int64, count=len(seqs))
     return None if (index == NO_ROW).any() else index
 
 
