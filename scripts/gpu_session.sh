@@ -10,7 +10,8 @@
 # kernels), throughput, latency (batch 1), eager (throughput and latency with --enforce-eager), sync (the same
 # two without async scheduling), serve
 # (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), startup (scripts/startup_time.py twice:
-# a first start with empty compile caches, then a second that reads them), metadata_probe
+# a first start with empty compile caches, then a second that reads them), startup_kernels (a fresh start with every
+# Triton kernel compiled in the main process, listed by compile seconds: what a fresh box waits for), metadata_probe
 # (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
 # (scripts/step_host_time.py: host time of each step's inputs), host_mixed (the same at a 2,048-token budget, so the
 # steps with prompt tokens run from the mixed graphs, with a cProfile of the run), host_base (the host stage's table, HOST_ARGS or a 2,048-token budget, for
@@ -197,6 +198,9 @@ for stage in "$@"; do
              step "startup_$run" 250 python3 scripts/startup_time.py --cache-dir /tmp/startup_caches --model "$MODEL_DIR" \
                --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-}; done ;;  # the first run fills the (empty) caches,
            # the second reads them; each prints where its time went (phases, CuTe's and Triton's compiles, FA4's keys)
+    startup_kernels) model && step startup_kernels 400 env TORCHINDUCTOR_COMPILE_THREADS=1 python3 scripts/startup_time.py \
+             --model "$MODEL_DIR" --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-} ;;  # issue 24: a fresh start with every
+           # Triton kernel compiled in the main process (serial: slower than a real start), listed by compile seconds
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) for form in ${TANH_FORMS:-engine}; do  # what a softcap score mod costs in FA4, per tanh lowering

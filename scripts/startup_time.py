@@ -6,7 +6,10 @@ Prints the time from `LLM(...)` to a built engine; the engine's own log splits i
 graphs per bucket, graphs for steps with prompts), then dynamo's compile seconds by phase. `--cache-dir DIR` keeps
 the caches in DIR instead (run twice: a first start on a fresh box, then a second start on the same box).
 `--sample-stacks` samples the main thread's stack every 20 ms during the build and prints where the wall time went
-(each function's inclusive share, and a coarse split: dynamo tracing, Inductor, Triton, FA4's CuTe JIT, CUDA).
+(each function's inclusive share, and a coarse split: dynamo tracing, Inductor, Triton, FA4's CuTe JIT, CUDA), and
+the Triton kernels compiled in this process by seconds. Inductor compiles most of them in worker processes, which
+neither list sees; `TORCHINDUCTOR_COMPILE_THREADS=1` compiles them all here, one after another (a slower start, for
+the diagnosis only: which kernels a fresh box waits for, e.g. one flex kernel per prefill bucket).
 Issue 24's bar: at most 60 s at the default max_model_len on the H100.
 """
 import argparse
@@ -26,6 +29,7 @@ PHASES = ("measure_num_blocks", "warm_up_steps", "capture_decode_graphs", "captu
 
 
 COMPILES = collections.defaultdict(list)  # what -> seconds of each call
+KERNELS = collections.defaultdict(list)  # Triton kernel name -> seconds of each of its compiles in this process
 FA4_KEYS = []  # the compile key of each FA4 kernel compiled (flash_attn.cute.interface's local `compile_key`)
 
 
@@ -41,6 +45,8 @@ def time_compiles() -> None:
                 return fn(*args, **kwargs)
             finally:
                 COMPILES[what].append(time.perf_counter() - started)
+                if what.startswith("triton") and args:
+                    KERNELS[getattr(args[0], "name", "?")].append(COMPILES[what][-1])
         return run
     try:
         import cutlass.cute as cute
@@ -95,6 +101,15 @@ class StackSampler(threading.Thread):
         return "\n".join(lines)
 
 
+def kernel_report(top: int = 30) -> str:
+    """The Triton kernels compiled in this process, most seconds first: name, compiles, seconds."""
+    rows = sorted(KERNELS.items(), key=lambda kv: -sum(kv[1]))
+    lines = [f"Triton kernels compiled in this process: {sum(map(len, KERNELS.values()))} compiles of {len(KERNELS)} "
+             f"names, {sum(map(sum, KERNELS.values())):.1f} s (top {top}):"]
+    lines += [f"  {sum(t):6.1f} s  {len(t):3d}x  {name}" for name, t in rows[:top]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache-dir", help="Inductor's and Triton's caches here (default: a fresh, empty folder)")
@@ -134,6 +149,7 @@ def main() -> None:
         for i, (fn, key) in enumerate(FA4_KEYS):  # the first in full, the others where they differ from it
             shown = key if i == 0 else {j: v for j, v in enumerate(key) if j >= len(first) or v != first[j]}
             print(f"FA4 compile {i} ({fn}): {shown}", flush=True)
+        print(kernel_report(), flush=True)
         print(sampler.report(), flush=True)
     sys.exit(0)
 
