@@ -252,7 +252,7 @@ class DecodeGraphRunner:
         meta = self.static_meta(bs)
         b = self.bufs
         if self.kept_lists is None:  # at the largest bucket's rows
-            rows = max(b * self.splits[b] for b in self.buckets)
+            rows = max(n * splits for n, splits in self.splits.items())
             self.kept_lists = kept_page_lists(self.mods, {"decode": rows}, self.num_blocks, self.device)
         with decode_regions(bs <= COMBO_UP_TO):  # small batches: the buckets whose steps are launch-bound
             (_compiled_take_inputs() if b.inputs.is_cuda else take_inputs)(
