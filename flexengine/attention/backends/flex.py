@@ -22,7 +22,7 @@ try:  # torch >= 2.9 asks for the log-sum-exp through return_aux; return_lse is 
 except ImportError:
     LSE_KWARGS = {"return_lse": True}
 
-from ...compile import configure_dynamo, pdl_options
+from ...compile import configure_dynamo, pdl_options, without_duck_sizing
 from ...masks import vmap_over_coords
 from ..metadata import AttentionMetadata, build_phys_to_logical
 from ..layout import KV_TILE, Q_TILE
@@ -38,10 +38,38 @@ def _compiled_flex():
     # so fullgraph (no graph breaks) and a recompile budget that raises when exhausted. Shapes are
     # static: the engine pads decode rows and prefill tiles to buckets, one compile per bucket
     # (symbolic-shape flex kernels hit an illegal memory access on torch 2.11 in the engine's mixed
-    # steps; see docs/benchmarks.md).
+    # steps; see docs/benchmarks.md; an engine's prefill call alone with a symbolic tile count passed the GPU tests
+    # in session 45: PREFILL_DYNAMIC).
     configure_dynamo()
     # FLEXENGINE_PDL's option, for the kernels around the template (Inductor gives templates no PDL)
     return torch.compile(flex_attention, dynamic=False, fullgraph=True, options=pdl_options())
+
+
+def _flex_prefill(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
+    """flex_attention for the prefill tiles, compiled with a symbolic tile count (FlexBackend.symbolic_tiles): a
+    function of its own, so that its graphs and dynamo's record of the sizes it saw keep apart from the decode rows'.
+    The check tells Inductor that the query is whole tiles: without it the template cannot know its rows divide its
+    blocks (IS_DIVISIBLE) and bounds-checks every load and score, 10-23% slower on the H200 (session 45)."""
+    torch._check(query.size(-2) == block_mask.seq_lengths[0])  # (first: dynamo keeps the mask's symbol for both)
+    torch._check(query.size(-2) % Q_TILE == 0)
+    return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=enable_gqa, kernel_options=kernel_options)
+
+
+# Whether an engine's Triton prefill call compiles with dynamo's automatic dynamic shapes (FlexBackend.symbolic_tiles):
+# the first bucket static (one tile: dynamo specialises size 1), the next a graph whose tile count is symbolic, which
+# then serves every bucket after it; the pool (the KV length) stays a constant. Otherwise a Triton kernel per bucket,
+# 11 at an 8,192-token budget, each ~2.5 s of a fresh start compiled one after another (session 45, an H200 box: 19
+# flex kernels, 48 s of a 145 s start; with symbolic tiles the start took 102 s). Off: the symbolic kernel measured
+# 10-23% slower per call (scripts/prefill_dynamic_probe.py), before _flex_prefill's divisibility check, which is not
+# yet measured on a GPU.
+PREFILL_DYNAMIC = False
+
+
+@functools.cache
+def _compiled_prefill_flex():
+    configure_dynamo()
+    return without_duck_sizing(torch.compile(_flex_prefill, dynamic=None, fullgraph=True, options=pdl_options()))
 
 
 def flex_memory_stand_in(query, key, value, *args, **kwargs) -> torch.Tensor:
@@ -311,17 +339,34 @@ class FlexBackend:
             merge_splits_into(out, meta.decode_dst, od.squeeze(2), None, 1)
         return out
 
+    def symbolic_tiles(self, flex, options: dict, query: torch.Tensor) -> bool:
+        """Whether a prefill call takes the compile whose tile count is symbolic (PREFILL_DYNAMIC): an engine's
+        (reserve_workspace) compiled Triton calls on CUDA. An engine's pool, heads and head size never change, so only
+        what scales with the step's tiles goes symbolic; K and V are marked static all the same (~2 µs a call), so
+        that another engine's pool in the same process cannot make this one's KV length symbolic. FA4 compiles one
+        kernel for every bucket by itself (and its wide q blocks are one bucket's); the functional API's calls, over
+        pools of any size, compile per shape; Inductor's CPU template (tests only) fails to build a symbolic tile
+        count on torch 2.13 (a C++ error)."""
+        return (PREFILL_DYNAMIC and query.is_cuda and self.workspace_pages is not None and flex is _compiled_flex()
+                and "BACKEND" not in options)
+
     def prefill(self, flex, q, k, v, score_mod, block_mask, scale, gqa):
         """The prefill tiles' flex call, on FA4 or the Triton template (prefill_kernel.py)."""
-        options = self.prefill_kernel.options(q)
+        def call():
+            options = self.prefill_kernel.options(q)
+            fn = flex
+            if self.symbolic_tiles(flex, options, q):
+                fn = _compiled_prefill_flex()
+                torch._dynamo.mark_static(k)  # (see symbolic_tiles)
+                torch._dynamo.mark_static(v)
+            return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                      kernel_options=options)
         try:
-            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                        kernel_options=options)
+            return call()
         except Exception as e:  # FA4's code generator refusing a mod: auto falls back, and says so once
             if not self.prefill_kernel.refused(e):
                 raise
-        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                    kernel_options=self.prefill_kernel.options(q))
+        return call()
 
     def forward(self, query, key_cache, value_cache, meta: AttentionMetadata, mask_mod, score_mod, scale):
         T, Hq, D = query.shape

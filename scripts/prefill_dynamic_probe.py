@@ -1,0 +1,114 @@
+"""The Triton prefill kernel compiled per bucket (static shapes) against one compile whose tile count is symbolic
+(attention/backends/flex.py's PREFILL_DYNAMIC): the prefill call's µs at the engine's tile buckets, over one pool of
+fixed size as in the engine (its size a constant of both), and the graphs each way compiles.
+
+    python3 scripts/prefill_dynamic_probe.py --cases 1x1024,8x1024,1x8192+57344
+
+A case NxL+C is N prompts of L new tokens after C cached ones. Each call is captured in a CUDA graph and timed by
+its replay (triton.testing.do_bench, median µs); the two ways alternate round by round in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from flexengine.attention.backends import flex as flex_backend
+from flexengine.attention.layout import plan_layout
+from flexengine.attention.metadata import build_metadata
+from flexengine.benchmarks.attention import bench, parse_mods
+from flexengine.compile.policy import compile_count
+
+PAGE = 128
+
+
+def parse_cases(text: str) -> list[tuple[int, int, int]]:
+    """"8x1024,1x8192+57344" -> [(8, 1024, 0), (1, 8192, 57344)]."""
+    out = []
+    for item in text.split(","):
+        shape, _, cached = item.partition("+")
+        n, _, length = shape.lower().partition("x")
+        out.append((int(n), int(length), int(cached or 0)))
+    return out
+
+
+def captured_call(backend, case, kc, vc, mods, width, rng):
+    """(a CUDA graph of the case's prefill call, the case's tile count, the inputs it reads: kept alive while the
+    graph is replayed)."""
+    n, length, cached = case
+    seq_lens, query_lens = [cached + length] * n, [length] * n
+    need = -(-(cached + length) // PAGE)
+    pages = rng.sample(range(kc.shape[0]), n * need)
+    tables = torch.tensor([pages[i * need:(i + 1) * need] + [0] * (width - need) for i in range(n)],
+                          dtype=torch.int32, device=kc.device)
+    layout = plan_layout(query_lens, seq_lens, block_size=PAGE)
+    meta = build_metadata(tables, torch.tensor(seq_lens, dtype=torch.int32, device=kc.device),
+                          torch.empty(0, dtype=torch.long, device=kc.device), layout, PAGE, kc.shape[0])
+    meta.backend = backend
+    backend.prepare(meta, [mods])
+    q = torch.randn(sum(query_lens), kc.shape[2] * 4, kc.shape[3], device=kc.device, dtype=kc.dtype)
+    run = lambda: backend.forward(q, kc, vc, meta, *mods, kc.shape[3] ** -0.5)  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph, layout.num_tiles, (q, meta)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="1x128,1x256,1x512,1x1024,2x1024,1x3072,4x1024,1x4096,6x1024,8x1024,1x8192,"
+                   "1x8192+57344", help="prefill calls NxL+C (default: every bucket up to 64 tiles, and a long chunk)")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (query heads: 4x; Llama-3.2-1B's shape)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--pool-pages", type=int, default=31289, help="the pool's pages (the engine's at 131,072 tokens)")
+    p.add_argument("--mask", default="causal")
+    p.add_argument("--score", default=None)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ways", default="static,symbolic", help="which compiles to run: static, symbolic or both")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    cases = parse_cases(args.cases)
+    Hkv, D = args.kv_heads, args.head_dim
+    mods = parse_mods(args.mask, args.score, 4 * Hkv)
+    kc = torch.randn(args.pool_pages, PAGE, Hkv, D, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    width = max(-(-(c + n) // PAGE) for _, n, c in cases)
+    ways = [w == "symbolic" for w in args.ways.split(",")]
+    graphs, compiles = {False: [], True: []}, {False: 0, True: 0}
+    for dynamic in ways:  # each way's compiles first (each call checked by a sync), then the timed rounds
+        flex_backend.PREFILL_DYNAMIC = dynamic
+        before = compile_count()
+        backend = flex_backend.FlexBackend(compile=True)
+        # (an engine's backend, for symbolic_tiles; its size bounds the pages a tile lists)
+        backend.reserve_workspace(width * max(n for n, _, _ in cases), PAGE, Hkv, D, kc.dtype, device)
+        rng = random.Random(0)
+        for case in cases:
+            print(f"{'symbolic' if dynamic else 'static'} {case}", flush=True)
+            graphs[dynamic].append(captured_call(backend, case, kc, vc, mods, width, rng))
+            graphs[dynamic][-1][0].replay()
+            torch.cuda.synchronize()
+        compiles[dynamic] = compile_count() - before
+    times = {(d, i): [] for d in ways for i in range(len(cases))}
+    for _ in range(args.rounds):
+        for dynamic in ways:
+            for i, (graph, _, _) in enumerate(graphs[dynamic]):
+                times[dynamic, i].append(bench(graph.replay))
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | Hq={4 * Hkv} Hkv={Hkv} D={D} bf16 | pool "
+          f"{args.pool_pages} pages of {PAGE} | mask {args.mask}, score {args.score} | median µs per round, "
+          f"{args.rounds} rounds alternating")
+    print(f"# graphs compiled: per bucket {compiles[False]}, symbolic tiles {compiles[True]}")
+    print("| case | tiles | per bucket, µs | symbolic, µs | symbolic / per bucket |")
+    print("|---|---|---|---|---|")
+    for i, (n, length, cached) in enumerate(cases):
+        s, d = times.get((False, i), [float("nan")]), times.get((True, i), [float("nan")])
+        ratio = min(d) / min(s)
+        name = f"{n}x{length}" + (f"+{cached}" if cached else "")
+        print(f"| {name} | {graphs[ways[0]][i][1]} | {' / '.join(f'{t:.0f}' for t in s)} | "
+              f"{' / '.join(f'{t:.0f}' for t in d)} | {ratio:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
