@@ -38,8 +38,8 @@ def _compiled_flex():
     # so fullgraph (no graph breaks) and a recompile budget that raises when exhausted. Shapes are
     # static: the engine pads decode rows and prefill tiles to buckets, one compile per bucket
     # (symbolic-shape flex kernels hit an illegal memory access on torch 2.11 in the engine's mixed
-    # steps; see docs/benchmarks.md; an engine's prefill call alone with a symbolic tile count passed the GPU tests
-    # in session 45: PREFILL_DYNAMIC).
+    # steps; see docs/benchmarks.md; an engine's prefill calls with a symbolic tile count passed a GPU test over
+    # drawn layouts and a fresh start in session 45: PREFILL_DYNAMIC).
     configure_dynamo()
     # FLEXENGINE_PDL's option, for the kernels around the template (Inductor gives templates no PDL)
     return torch.compile(flex_attention, dynamic=False, fullgraph=True, options=pdl_options())
