@@ -21,10 +21,14 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,argmax_chunks=64 -- latency ...  # greedy argmax over 64 chunks a row
     python3 scripts/decode_step_probe.py default,heads_as_rows=32 -- latency ...  # decode on flex's attention template
     python3 scripts/decode_step_probe.py default,heads_as_rows=32,heads_block_n=128,heads_num_warps=4 -- latency ...
+    python3 scripts/decode_step_probe.py default,prefill_dynamic=1 -- throughput ...  # one prefill compile (below)
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
 query rows (flex.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
 heads_block_n / heads_num_warps / heads_num_stages: that template's tile (flex.HEADS_AS_ROWS_TILES).
+
+prefill_dynamic=1: the engine's Triton prefill call compiled once for a symbolic tile count (flex.PREFILL_DYNAMIC;
+scripts/prefill_dynamic_probe.py times the kernel alone).
 
 persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
 two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048
@@ -43,7 +47,7 @@ import sys
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
                "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks", "heads_as_rows",
-               "heads_block_n", "heads_num_warps", "heads_num_stages")
+               "heads_block_n", "heads_num_warps", "heads_num_stages", "prefill_dynamic")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -109,6 +113,7 @@ def main() -> int:
     metadata.DECODE_PARTIAL_ROWS = engine.get("decode_partial_rows", metadata.DECODE_PARTIAL_ROWS)
     linear.DOWN_SPLIT_ROWS = engine.get("down_split_rows", linear.DOWN_SPLIT_ROWS)
     flex.DECODE_HEADS_AS_ROWS = engine.get("heads_as_rows", flex.DECODE_HEADS_AS_ROWS)
+    flex.PREFILL_DYNAMIC = bool(engine.get("prefill_dynamic", flex.PREFILL_DYNAMIC))
     flex.HEADS_AS_ROWS_TILES = {**flex.HEADS_AS_ROWS_TILES, **{k[len("heads_"):].replace("block_n", "BLOCK_N"): v
                                                        for k, v in engine.items() if k.startswith("heads_")
                                                        and k != "heads_as_rows"}}
@@ -126,7 +131,8 @@ def main() -> int:
           f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; "
           f"every decode page partial up to {metadata.DECODE_PARTIAL_ROWS} rows; down's split-K partial sums up to "
           f"{linear.DOWN_SPLIT_ROWS} rows; decode on the attention template, query heads as rows, up to "
-          f"{flex.DECODE_HEADS_AS_ROWS} rows (tiles {flex.HEADS_AS_ROWS_TILES}); argmax chunks "
+          f"{flex.DECODE_HEADS_AS_ROWS} rows (tiles {flex.HEADS_AS_ROWS_TILES}); prefill compiled for a symbolic tile "
+          f"count {flex.PREFILL_DYNAMIC}; argmax chunks "
           f"{sampler.ARGMAX_CHUNKS}; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)

@@ -11,7 +11,9 @@
 # two without async scheduling), serve
 # (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), startup (scripts/startup_time.py twice:
 # a first start with empty compile caches, then a second that reads them), startup_kernels (a fresh start with every
-# Triton kernel compiled in the main process, listed by compile seconds: what a fresh box waits for), metadata_probe
+# Triton kernel compiled in the main process, listed by compile seconds: what a fresh box waits for), prefill_symbolic
+# (scripts/prefill_dynamic_probe.py, PROBE_ARGS: the Triton prefill call per bucket against one compile for a symbolic
+# tile count; that path's GPU tests; a fresh start with it), metadata_probe
 # (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
 # (scripts/step_host_time.py: host time of each step's inputs), host_mixed (the same at a 2,048-token budget, so the
 # steps with prompt tokens run from the mixed graphs, with a cProfile of the run), host_base (the host stage's table, HOST_ARGS or a 2,048-token budget, for
@@ -201,6 +203,12 @@ for stage in "$@"; do
     startup_kernels) model && step startup_kernels 400 env TORCHINDUCTOR_COMPILE_THREADS=1 python3 scripts/startup_time.py \
              --model "$MODEL_DIR" --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-} ;;  # issue 24: a fresh start with every
            # Triton kernel compiled in the main process (serial: slower than a real start), listed by compile seconds
+    prefill_symbolic) step prefill_dynamic_probe 200 python3 scripts/prefill_dynamic_probe.py ${PROBE_ARGS:-}
+           step prefill_symbolic_tests 240 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short \
+             tests/test_paged_attention.py -k engine_prefill
+           model && step startup_symbolic 250 python3 scripts/startup_time.py --prefill-symbolic --model "$MODEL_DIR" \
+             --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-} ;;  # issue 24: the prefill kernel compiled once (a
+           # symbolic tile count) against one per bucket, its GPU tests, and a fresh start with it
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) for form in ${TANH_FORMS:-engine}; do  # what a softcap score mod costs in FA4, per tanh lowering

@@ -114,6 +114,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache-dir", help="Inductor's and Triton's caches here (default: a fresh, empty folder)")
     p.add_argument("--sample-stacks", action="store_true", help="print where the build's wall time went")
+    p.add_argument("--prefill-symbolic", action="store_true",
+                   help="the Triton prefill call compiled once for a symbolic tile count (flex.PREFILL_DYNAMIC)")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
@@ -122,6 +124,9 @@ def main() -> None:
     os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
     os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = os.path.join(root, "fa4")  # FA4's compiled kernels too
     from flexengine.benchmarks.common import add_engine_arguments, build_llm
+    if known.prefill_symbolic:
+        from flexengine.attention.backends import flex
+        flex.PREFILL_DYNAMIC = True
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)
