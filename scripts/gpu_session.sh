@@ -206,9 +206,10 @@ for stage in "$@"; do
     prefill_symbolic) step prefill_dynamic_probe 200 python3 scripts/prefill_dynamic_probe.py ${PROBE_ARGS:-}
            step prefill_symbolic_tests 240 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short \
              tests/test_paged_attention.py -k engine_prefill
-           model && step startup_symbolic 250 python3 scripts/startup_time.py --prefill-symbolic --model "$MODEL_DIR" \
-             --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-} ;;  # issue 24: the prefill kernel compiled once (a
-           # symbolic tile count) against one per bucket, its GPU tests, and a fresh start with it
+           model && step startup_symbolic 250 env TORCH_LOGS=recompiles python3 scripts/startup_time.py \
+             --prefill-symbolic --model "$MODEL_DIR" --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-} ;;  # issue 24:
+           # the prefill kernel compiled once (a symbolic tile count) against one per bucket, its GPU tests, and a fresh
+           # start with it, each recompile's reason logged (what else a fresh start compiles more than once)
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) for form in ${TANH_FORMS:-engine}; do  # what a softcap score mod costs in FA4, per tanh lowering
