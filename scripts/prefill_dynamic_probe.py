@@ -66,7 +66,7 @@ def main() -> int:
     p.add_argument("--mask", default="causal")
     p.add_argument("--score", default=None)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--ways", default="static,symbolic", help="which compiles to run: static, symbolic or both")
+    p.add_argument("--ways", default="static,symbolic", help="which compiles to run, comma-separated: static, symbolic")
     args = p.parse_args()
     device = torch.device("cuda")
     cases = parse_cases(args.cases)
@@ -75,6 +75,8 @@ def main() -> int:
     kc = torch.randn(args.pool_pages, PAGE, Hkv, D, device=device, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     width = max(-(-(c + n) // PAGE) for _, n, c in cases)
+    if not set(args.ways.split(",")) <= {"static", "symbolic"}:
+        raise SystemExit(f"--ways: static, symbolic or both comma-separated, not {args.ways!r}")
     ways = [w == "symbolic" for w in args.ways.split(",")]
     graphs, compiles = {False: [], True: []}, {False: 0, True: 0}
     for dynamic in ways:  # each way's compiles first (each call checked by a sync), then the timed rounds

@@ -342,7 +342,7 @@ class FlexBackend:
     def symbolic_tiles(self, flex, options: dict, query: torch.Tensor) -> bool:
         """Whether a prefill call takes the compile whose tile count is symbolic (PREFILL_DYNAMIC): an engine's
         (reserve_workspace) compiled Triton calls on CUDA. An engine's pool, heads and head size never change, so only
-        what scales with the step's tiles goes symbolic; K and V are marked static all the same (~2 µs a call), so
+        what scales with the step's tiles goes symbolic; K and V are marked static all the same (~4 µs each on the dev CPU), so
         that another engine's pool in the same process cannot make this one's KV length symbolic. FA4 compiles one
         kernel for every bucket by itself (and its wide q blocks are one bucket's); the functional API's calls, over
         pools of any size, compile per shape; Inductor's CPU template (tests only) fails to build a symbolic tile
