@@ -27,8 +27,8 @@ heads_as_rows=N: the decode rows of steps of up to N on flex's attention templat
 query rows (flex.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
 heads_block_n / heads_num_warps / heads_num_stages: that template's tile (flex.HEADS_AS_ROWS_TILES).
 
-prefill_dynamic=1: the engine's Triton prefill call compiled once for a symbolic tile count (flex.PREFILL_DYNAMIC;
-scripts/prefill_dynamic_probe.py times the kernel alone).
+prefill_dynamic=0: the engine's Triton prefill call compiled per tile bucket, not once for a symbolic tile count
+(flex.PREFILL_DYNAMIC; scripts/prefill_dynamic_probe.py times the kernel alone).
 
 persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
 two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048

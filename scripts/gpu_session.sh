@@ -13,7 +13,7 @@
 # a first start with empty compile caches, then a second that reads them), startup_kernels (a fresh start with every
 # Triton kernel compiled in the main process, listed by compile seconds: what a fresh box waits for), prefill_symbolic
 # (scripts/prefill_dynamic_probe.py, PROBE_ARGS: the Triton prefill call per bucket against one compile for a symbolic
-# tile count; that path's GPU tests; a fresh start with it), metadata_probe
+# tile count, the default; that path's GPU tests; a fresh start with a compile per bucket), metadata_probe
 # (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
 # (scripts/step_host_time.py: host time of each step's inputs), host_mixed (the same at a 2,048-token budget, so the
 # steps with prompt tokens run from the mixed graphs, with a cProfile of the run), host_base (the host stage's table, HOST_ARGS or a 2,048-token budget, for
@@ -206,10 +206,10 @@ for stage in "$@"; do
     prefill_symbolic) step prefill_dynamic_probe 200 python3 scripts/prefill_dynamic_probe.py ${PROBE_ARGS:-}
            step prefill_symbolic_tests 240 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short \
              tests/test_paged_attention.py -k engine_prefill
-           model && step startup_symbolic 250 env TORCH_LOGS=recompiles python3 scripts/startup_time.py \
-             --prefill-symbolic --model "$MODEL_DIR" --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-} ;;  # issue 24:
+           model && step startup_per_bucket 250 env TORCH_LOGS=recompiles python3 scripts/startup_time.py \
+             --prefill-per-bucket --model "$MODEL_DIR" --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-} ;;  # issue 24:
            # the prefill kernel compiled once (a symbolic tile count) against one per bucket, its GPU tests, and a fresh
-           # start with it, each recompile's reason logged (what else a fresh start compiles more than once)
+           # start with a compile per bucket, each recompile's reason logged (what a fresh start compiles more than once)
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) for form in ${TANH_FORMS:-engine}; do  # what a softcap score mod costs in FA4, per tanh lowering

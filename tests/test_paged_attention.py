@@ -173,7 +173,7 @@ def engine_prefill(backend, kc, vc, reqs, mods, seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_engine_prefill_compiles_once_for_the_buckets_past_the_first_on_gpu(monkeypatch):
-    """An engine's Triton prefill call with flex.PREFILL_DYNAMIC over steps of 1, 2, 3, 5 and 9 tiles: the first
+    """An engine's Triton prefill call (flex.PREFILL_DYNAMIC) over steps of 1, 2, 3, 5 and 9 tiles: the first
     compile specialises one tile, the next makes the tile count symbolic and serves the rest (a compile per bucket
     cost a fresh start 48 of its 145 s on the H200); every step's output equal to the reference backend's."""
     from flexengine.attention.backends import flex as flex_backend
@@ -199,7 +199,7 @@ def test_engine_prefill_compiles_once_for_the_buckets_past_the_first_on_gpu(monk
 @given(st.lists(st.tuples(st.integers(2, 1100), st.integers(0, 700)), min_size=1, max_size=5),
        st.sampled_from(["causal", "window", "chunked", "document"]), st.booleans(), st.integers(0, 2**16))
 def test_engine_prefill_with_symbolic_tiles_on_gpu(reqs, mask, softcap, seed):
-    """An engine's Triton prefill call with flex.PREFILL_DYNAMIC (one compile whose tile count is symbolic serves
+    """An engine's Triton prefill call (flex.PREFILL_DYNAMIC: one compile whose tile count is symbolic serves
     every bucket past the first two) over drawn layouts on one pool, with built-in and captured-tensor masks and a
     softcap, against the reference backend."""
     from flexengine.attention.backends import flex as flex_backend
@@ -216,32 +216,21 @@ def test_engine_prefill_with_symbolic_tiles_on_gpu(reqs, mask, softcap, seed):
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
-def test_symbolic_prefill_graph_knows_its_rows_are_whole_tiles():
-    """flex._flex_prefill's graph for a symbolic tile count: the query's length must be known to be a multiple of the
-    tile (Inductor's flex template otherwise bounds-checks every load and score: IS_DIVISIBLE, 10-23% slower on the
-    H200). What the template reads, checked where dynamo hands its graph over, on the CPU."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-    from torch.nn.attention.flex_attention import create_block_mask
-    from flexengine.attention.backends import flex as flex_backend
-    from flexengine.attention.layout import Q_TILE
-    seen = []
-
-    def spy(gm, example_inputs):  # (a dynamo backend: note the flex call's query length, run the graph as it is)
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and "flex_attention" in str(node.target):
-                n = node.args[0].meta["example_value"].shape[-2]
-                seen.append((isinstance(n, torch.SymInt), statically_known_true(n % Q_TILE == 0)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(flex_backend._flex_prefill, backend=spy, dynamic=None, fullgraph=True)
-    k = torch.randn(1, 2, 4 * Q_TILE, 16)
-    for tiles in (1, 2, 3):
-        q = torch.randn(1, 2, tiles * Q_TILE, 16)
-        mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, 1, 1, q.shape[2], k.shape[2], "cpu")
-        compiled(q, k, k, None, mask, 0.25, False, {})
-    torch._dynamo.reset()
-    assert seen == [(False, True), (True, True)]  # one tile static, then one symbolic graph for the rest
+@pytest.mark.parametrize("q_len, kv_len, blocks, divisible", [
+    (128, 4096, (128, 128), True), (1024, 4096, (128, 128), True),
+    (192, 4096, (128, 128), False),  # a partial q tile
+    (256, 4000, (128, 128), False),  # a KV length that is not whole blocks (a pool of 16-token pages, say)
+    (256, 4096, (128, 1024), True), (256, 4608, (128, 1024), False),  # whole 128s, not whole KV blocks
+    (128, 128, (128, 4096), True),  # one block longer than the KV: divisible, as Inductor reads it
+])
+def test_whole_blocks_is_inductors_divisibility(q_len, kv_len, blocks, divisible):
+    """flex.whole_blocks, the IS_DIVISIBLE passed to the symbolic prefill compile, holds exactly where Inductor's own
+    static-shape test would (lengths multiples of 128 and of the mask's blocks, or one block covering all): a wrong
+    True would drop the template's bounds checks on a partial tile."""
+    from types import SimpleNamespace
+    from flexengine.attention.backends.flex import whole_blocks
+    q, k = torch.empty(1, 1, q_len, 8), torch.empty(1, 1, kv_len, 8)
+    assert whole_blocks(q, k, SimpleNamespace(BLOCK_SIZE=blocks)) is divisible
 
 
 def test_memory_stand_in_compiles_nothing():

@@ -38,8 +38,7 @@ def _compiled_flex():
     # so fullgraph (no graph breaks) and a recompile budget that raises when exhausted. Shapes are
     # static: the engine pads decode rows and prefill tiles to buckets, one compile per bucket
     # (symbolic-shape flex kernels hit an illegal memory access on torch 2.11 in the engine's mixed
-    # steps; see docs/benchmarks.md; an engine's prefill calls with a symbolic tile count passed a GPU test over
-    # drawn layouts and a fresh start in session 45: PREFILL_DYNAMIC).
+    # steps; see docs/benchmarks.md); an engine's prefill calls take their own compile, PREFILL_DYNAMIC.
     configure_dynamo()
     # FLEXENGINE_PDL's option, for the kernels around the template (Inductor gives templates no PDL)
     return torch.compile(flex_attention, dynamic=False, fullgraph=True, options=pdl_options())
@@ -47,11 +46,7 @@ def _compiled_flex():
 
 def _flex_prefill(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
     """flex_attention for the prefill tiles, compiled with a symbolic tile count (FlexBackend.symbolic_tiles): a
-    function of its own, so that its graphs and dynamo's record of the sizes it saw keep apart from the decode rows'.
-    The check tells Inductor that the query is whole tiles: without it the template cannot know its rows divide its
-    blocks (IS_DIVISIBLE) and bounds-checks every load and score, 10-23% slower on the H200 (session 45)."""
-    torch._check(query.size(-2) == block_mask.seq_lengths[0])  # (first: dynamo keeps the mask's symbol for both)
-    torch._check(query.size(-2) % Q_TILE == 0)
+    function of its own, so that its graphs and dynamo's record of the sizes it saw keep apart from the decode rows'."""
     return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
                           enable_gqa=enable_gqa, kernel_options=kernel_options)
 
@@ -60,10 +55,19 @@ def _flex_prefill(query, key, value, score_mod, block_mask, scale, enable_gqa, k
 # the first bucket static (one tile: dynamo specialises size 1), the next a graph whose tile count is symbolic, which
 # then serves every bucket after it; the pool (the KV length) stays a constant. Otherwise a Triton kernel per bucket,
 # 11 at an 8,192-token budget, each ~2.5 s of a fresh start compiled one after another (session 45, an H200 box: 19
-# flex kernels, 48 s of a 145 s start; with symbolic tiles the start took 102 s). Off: the symbolic kernel measured
-# 10-23% slower per call (scripts/prefill_dynamic_probe.py), before _flex_prefill's divisibility check, which is not
-# yet measured on a GPU.
-PREFILL_DYNAMIC = False
+# flex kernels, 48 s of a 145 s start; 102 s with symbolic tiles). With IS_DIVISIBLE passed (whole_blocks) the
+# symbolic kernel takes 0.88-1.00x the per-bucket kernels' time (session 46, scripts/prefill_dynamic_probe.py).
+PREFILL_DYNAMIC = True
+
+
+def whole_blocks(query, key, block_mask) -> bool:
+    """Inductor's test for flex's IS_DIVISIBLE (no bounds checks on any load or score: both lengths multiples of 128
+    and of the mask's blocks), made here on the concrete lengths: for a symbolic q length Inductor cannot prove it
+    and the kernel bounds-checks every load and score, 10-23% slower on the H200 (session 45)."""
+    def whole(length, block):
+        return length % 128 == 0 and (length % block == 0 or block >= length)
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    return whole(query.shape[-2], q_block) and whole(key.shape[-2], kv_block)
 
 
 @functools.cache
@@ -359,6 +363,7 @@ class FlexBackend:
                 fn = _compiled_prefill_flex()
                 torch._dynamo.mark_static(k)  # (see symbolic_tiles)
                 torch._dynamo.mark_static(v)
+                options = {**options, "IS_DIVISIBLE": whole_blocks(q, k, block_mask)}
             return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                       kernel_options=options)
         try:
