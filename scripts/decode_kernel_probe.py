@@ -19,7 +19,8 @@ import json
 import torch
 
 from flexengine import masks
-from flexengine.attention.backends.flex import FlexBackend, decode_kernel_options
+from flexengine.attention.backends.flex import FlexBackend
+from flexengine.attention.backends.flex_kernels import decode_kernel_options
 from flexengine.attention.layout import choose_decode_splits, plan_layout
 from flexengine.attention.metadata import build_metadata
 from flexengine.benchmarks.common import graph_us

@@ -1,4 +1,4 @@
-"""Issues 16 / 15: the decode step with other tile options for flex's decode kernel (attention/backends/flex.py's
+"""Issues 16 / 15: the decode step with other tile options for flex's decode kernel (attention/backends/flex_kernels.py's
 DECODE_OPTIONS), Inductor's combo kernels up to another batch (compile/cuda_graphs.py's COMBO_UP_TO), another split-KV
 target (attention/layout.py's DECODE_PROGRAMS_PER_SM), the few-rows GEMV (layers/gemv.py's FEW_ROWS), without the
 rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + SiLU on the few-rows kernel
@@ -24,11 +24,11 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,prefill_dynamic=1 -- throughput ...  # one prefill compile (below)
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
-query rows (flex.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
-heads_block_n / heads_num_warps / heads_num_stages: that template's tile (flex.HEADS_AS_ROWS_TILES).
+query rows (flex_kernels.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
+heads_block_n / heads_num_warps / heads_num_stages: that template's tile (flex_kernels.HEADS_AS_ROWS_TILES).
 
 prefill_dynamic=0: the engine's Triton prefill call compiled per tile bucket, not once for a symbolic tile count
-(flex.PREFILL_DYNAMIC; scripts/prefill_dynamic_probe.py times the kernel alone).
+(flex_kernels.PREFILL_DYNAMIC; scripts/prefill_dynamic_probe.py times the kernel alone).
 
 persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
 two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048
@@ -37,7 +37,7 @@ compiles get a cache folder of their own (/tmp/inductor_persistent_N), so that n
 
 torch 2.11 gives sm90's decode template one pipeline stage, two warps and a 64-wide KV tile; the H100's batch-32
 profile (session 25) had that kernel at 20 µs a layer for ~300-token contexts, where batch 8 with four splits took 8.5.
-The engine now asks for three stages there (flex.default_decode_options).
+The engine now asks for three stages there (flex_kernels.default_decode_options).
 """
 from __future__ import annotations
 
@@ -100,10 +100,10 @@ def main() -> int:
     options, engine = parse(",".join(sys.argv[1:split]))
     what, *args = sys.argv[split + 1:] or ["latency"]
     from flexengine.attention import layout, metadata
-    from flexengine.attention.backends import flex
+    from flexengine.attention.backends import flex_kernels
     from flexengine.compile import cuda_graphs
     from flexengine.layers import gemv, linear, rotary, sampler
-    flex.DECODE_OPTIONS = options
+    flex_kernels.DECODE_OPTIONS = options
     cuda_graphs.COMBO_UP_TO = engine.get("combo_up_to", cuda_graphs.COMBO_UP_TO)
     layout.DECODE_PROGRAMS_PER_SM = engine.get("programs_per_sm", layout.DECODE_PROGRAMS_PER_SM)
     gemv.FEW_ROWS = engine.get("few_rows", gemv.FEW_ROWS)
@@ -112,11 +112,11 @@ def main() -> int:
     gemv.HEAD_ROWS = engine.get("head_rows", gemv.HEAD_ROWS)
     metadata.DECODE_PARTIAL_ROWS = engine.get("decode_partial_rows", metadata.DECODE_PARTIAL_ROWS)
     linear.DOWN_SPLIT_ROWS = engine.get("down_split_rows", linear.DOWN_SPLIT_ROWS)
-    flex.DECODE_HEADS_AS_ROWS = engine.get("heads_as_rows", flex.DECODE_HEADS_AS_ROWS)
-    flex.PREFILL_DYNAMIC = bool(engine.get("prefill_dynamic", flex.PREFILL_DYNAMIC))
-    flex.HEADS_AS_ROWS_TILES = {**flex.HEADS_AS_ROWS_TILES, **{k[len("heads_"):].replace("block_n", "BLOCK_N"): v
-                                                       for k, v in engine.items() if k.startswith("heads_")
-                                                       and k != "heads_as_rows"}}
+    flex_kernels.DECODE_HEADS_AS_ROWS = engine.get("heads_as_rows", flex_kernels.DECODE_HEADS_AS_ROWS)
+    flex_kernels.PREFILL_DYNAMIC = bool(engine.get("prefill_dynamic", flex_kernels.PREFILL_DYNAMIC))
+    tiles = {k[len("heads_"):].replace("block_n", "BLOCK_N"): v for k, v in engine.items()
+             if k.startswith("heads_") and k != "heads_as_rows"}
+    flex_kernels.HEADS_AS_ROWS_TILES = {**flex_kernels.HEADS_AS_ROWS_TILES, **tiles}
     if "argmax_chunks" in engine:  # (that many chunks first, then the smaller defaults)
         sampler.ARGMAX_CHUNKS = (engine["argmax_chunks"],) + tuple(c for c in sampler.ARGMAX_CHUNKS
                                                                     if c < engine["argmax_chunks"])
@@ -131,8 +131,8 @@ def main() -> int:
           f"SiLU on the rows kernel up to {gemv.GATE_UP_ROWS} rows; the LM head on it up to {gemv.HEAD_ROWS} rows; "
           f"every decode page partial up to {metadata.DECODE_PARTIAL_ROWS} rows; down's split-K partial sums up to "
           f"{linear.DOWN_SPLIT_ROWS} rows; decode on the attention template, query heads as rows, up to "
-          f"{flex.DECODE_HEADS_AS_ROWS} rows (tiles {flex.HEADS_AS_ROWS_TILES}); prefill compiled for a symbolic tile "
-          f"count {flex.PREFILL_DYNAMIC}; argmax chunks "
+          f"{flex_kernels.DECODE_HEADS_AS_ROWS} rows (tiles {flex_kernels.HEADS_AS_ROWS_TILES}); prefill compiled "
+          f"for a symbolic tile count {flex_kernels.PREFILL_DYNAMIC}; argmax chunks "
           f"{sampler.ARGMAX_CHUNKS}; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)

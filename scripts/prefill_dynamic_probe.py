@@ -1,5 +1,5 @@
 """The Triton prefill kernel compiled per bucket (static shapes) against one compile whose tile count is symbolic
-(attention/backends/flex.py's PREFILL_DYNAMIC): the prefill call's µs at the engine's tile buckets, over one pool of
+(attention/backends/flex_kernels.py's PREFILL_DYNAMIC): the prefill call's µs at the engine's tile buckets, over one pool of
 fixed size as in the engine (its size a constant of both), and the graphs each way compiles.
 
     python3 scripts/prefill_dynamic_probe.py --cases 1x1024,8x1024,1x8192+57344
@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from flexengine.attention.backends import flex as flex_backend
+from flexengine.attention.backends import flex as flex_backend, flex_kernels
 from flexengine.attention.layout import plan_layout
 from flexengine.attention.metadata import build_metadata
 from flexengine.benchmarks.attention import bench, parse_mods
@@ -80,7 +80,7 @@ def main() -> int:
     ways = [w == "symbolic" for w in args.ways.split(",")]
     graphs, compiles = {False: [], True: []}, {False: 0, True: 0}
     for dynamic in ways:  # each way's compiles first (each call checked by a sync), then the timed rounds
-        flex_backend.PREFILL_DYNAMIC = dynamic
+        flex_kernels.PREFILL_DYNAMIC = dynamic
         before = compile_count()
         backend = flex_backend.FlexBackend(compile=True)
         # (an engine's backend, for symbolic_tiles; its size bounds the pages a tile lists)

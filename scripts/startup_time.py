@@ -115,7 +115,7 @@ def main() -> None:
     p.add_argument("--cache-dir", help="Inductor's and Triton's caches here (default: a fresh, empty folder)")
     p.add_argument("--sample-stacks", action="store_true", help="print where the build's wall time went")
     p.add_argument("--prefill-per-bucket", action="store_true",
-                   help="the Triton prefill call compiled per tile bucket (flex.PREFILL_DYNAMIC off; the default "
+                   help="the Triton prefill call compiled per tile bucket (flex_kernels.PREFILL_DYNAMIC off; the default "
                    "compiles it once for a symbolic tile count)")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
@@ -126,8 +126,8 @@ def main() -> None:
     os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = os.path.join(root, "fa4")  # FA4's compiled kernels too
     from flexengine.benchmarks.common import add_engine_arguments, build_llm
     if known.prefill_per_bucket:
-        from flexengine.attention.backends import flex
-        flex.PREFILL_DYNAMIC = False
+        from flexengine.attention.backends import flex_kernels
+        flex_kernels.PREFILL_DYNAMIC = False
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)

@@ -22,7 +22,7 @@ def gpu_shaped_engines(monkeypatch):
     """Engines built from here on take the CUDA engine's path on CPU (buckets, padding, warm-up, the
     decode-graph runner run eagerly), compiled by dynamo's `eager` backend, whose guards are the ones
     a GPU build has. Dynamo starts empty, so a test sees its own engine's compiles. Yields the undo."""
-    from flexengine.attention.backends import flex
+    from flexengine.attention.backends import flex, flex_kernels
     from flexengine.compile import reset_fused
     from flexengine.engine import model_runner
 
@@ -30,13 +30,13 @@ def gpu_shaped_engines(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     monkeypatch.setattr(model_runner, "wants_compile", lambda device, enforce_eager: not enforce_eager)
     monkeypatch.setattr(flex.FlexBackend, "compiled", lambda self, device: True)
-    flex._compiled_flex.cache_clear()
+    flex_kernels.compiled_flex.cache_clear()
     reset_fused()
     torch._dynamo.reset()
 
     def undo():
         monkeypatch.undo()
-        flex._compiled_flex.cache_clear()
+        flex_kernels.compiled_flex.cache_clear()
         reset_fused()
 
     yield undo

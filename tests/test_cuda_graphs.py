@@ -284,12 +284,12 @@ def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, en
 
 
 def test_decode_with_heads_as_rows_compiles_nothing_after_warm_up(gpu_shaped_engines, monkeypatch):
-    """flex.DECODE_HEADS_AS_ROWS on the CUDA engine's path on the CPU: the decode rows of steps with up to 4 (decode-only
+    """flex_kernels.DECODE_HEADS_AS_ROWS on the CUDA engine's path on the CPU: the decode rows of steps with up to 4 (decode-only
     and mixed) run flex's attention template with each KV head's query heads as its rows; the warm-up compiles them,
     mixed traffic adds no graph, and the tokens are the plain engine's."""
-    from flexengine.attention.backends import flex
-    monkeypatch.setattr(flex, "DECODE_HEADS_AS_ROWS", 4)
-    monkeypatch.setattr(flex, "HEADS_AS_ROWS_ON_CPU", True)
+    from flexengine.attention.backends import flex, flex_kernels
+    monkeypatch.setattr(flex_kernels, "DECODE_HEADS_AS_ROWS", 4)
+    monkeypatch.setattr(flex_kernels, "HEADS_AS_ROWS_ON_CPU", True)
     groups = []  # the query heads per KV head of each step that took it
     made = flex.FlexBackend.heads_as_rows_mods
     monkeypatch.setattr(flex.FlexBackend, "heads_as_rows_mods", lambda self, *a: groups.append(a[-1]) or made(self, *a))
@@ -710,17 +710,17 @@ def test_combo_kernels_env_refuses_nonsense(monkeypatch):
 def test_pdl_env_asks_inductor_for_programmatic_launches(monkeypatch, mode):
     """FLEXENGINE_PDL on (or unset: the default) puts Inductor's triton.enable_pdl into every region's compile and
     flex's; off leaves it out; anything else is refused, naming the variable."""
-    from flexengine.attention.backends import flex
+    from flexengine.attention.backends import flex_kernels
     from flexengine.compile.policy import compile_region
     monkeypatch.setenv("FLEXENGINE_PDL", mode)
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw.get("options", {})) or fn)
-    flex._compiled_flex.cache_clear()
+    flex_kernels.compiled_flex.cache_clear()
     try:
         compile_region(lambda x: x, combo=False)
-        flex._compiled_flex()
+        flex_kernels.compiled_flex()
     finally:
-        flex._compiled_flex.cache_clear()
+        flex_kernels.compiled_flex.cache_clear()
     assert [o.get("triton.enable_pdl", False) for o in seen] == [mode != "off"] * 2
     monkeypatch.setenv("FLEXENGINE_PDL", "yes")
     with pytest.raises(ValueError, match="FLEXENGINE_PDL must be one of on, off"):

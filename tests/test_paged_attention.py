@@ -12,6 +12,7 @@ from harness import fa4_reason, flex_prefill
 from flexengine import masks
 from flexengine.attention import paged_attention
 from flexengine.attention.backends import default_flex
+from flexengine.attention.backends import flex_kernels
 
 
 @masks.register_mask_mod("test_stripes", replace=True)
@@ -173,12 +174,12 @@ def engine_prefill(backend, kc, vc, reqs, mods, seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_engine_prefill_compiles_once_for_the_buckets_past_the_first_on_gpu(monkeypatch):
-    """An engine's Triton prefill call (flex.PREFILL_DYNAMIC) over steps of 1, 2, 3, 5 and 9 tiles: the first
+    """An engine's Triton prefill call (flex_kernels.PREFILL_DYNAMIC) over steps of 1, 2, 3, 5 and 9 tiles: the first
     compile specialises one tile, the next makes the tile count symbolic and serves the rest (a compile per bucket
     cost a fresh start 48 of its 145 s on the H200); every step's output equal to the reference backend's."""
     from flexengine.attention.backends import flex as flex_backend
     from flexengine.compile.policy import compile_count
-    monkeypatch.setattr(flex_backend, "PREFILL_DYNAMIC", True)
+    monkeypatch.setattr(flex_kernels, "PREFILL_DYNAMIC", True)
     g = torch.Generator().manual_seed(1)
     kc = torch.randn(40, 128, 2, 64, generator=g).to("cuda", torch.bfloat16)
     vc = torch.randn(40, 128, 2, 64, generator=g).to("cuda", torch.bfloat16)
@@ -199,7 +200,7 @@ def test_engine_prefill_compiles_once_for_the_buckets_past_the_first_on_gpu(monk
 @given(st.lists(st.tuples(st.integers(2, 1100), st.integers(0, 700)), min_size=1, max_size=5),
        st.sampled_from(["causal", "window", "chunked", "document"]), st.booleans(), st.integers(0, 2**16))
 def test_engine_prefill_with_symbolic_tiles_on_gpu(reqs, mask, softcap, seed):
-    """An engine's Triton prefill call (flex.PREFILL_DYNAMIC: one compile whose tile count is symbolic serves
+    """An engine's Triton prefill call (flex_kernels.PREFILL_DYNAMIC: one compile whose tile count is symbolic serves
     every bucket past the first two) over drawn layouts on one pool, with built-in and captured-tensor masks and a
     softcap, against the reference backend."""
     from flexengine.attention.backends import flex as flex_backend
@@ -209,7 +210,7 @@ def test_engine_prefill_with_symbolic_tiles_on_gpu(reqs, mask, softcap, seed):
     kc = torch.randn(96, 128, 2, 64, generator=g).to("cuda", torch.bfloat16)
     vc = torch.randn(96, 128, 2, 64, generator=g).to("cuda", torch.bfloat16)
     with flex_prefill("triton"), pytest.MonkeyPatch.context() as env:
-        env.setattr(flex_backend, "PREFILL_DYNAMIC", True)
+        env.setattr(flex_kernels, "PREFILL_DYNAMIC", True)
         backend = flex_backend.FlexBackend()
         backend.reserve_workspace(96, 128, 2, 64, torch.bfloat16, "cuda")
         out, ref = engine_prefill(backend, kc, vc, reqs, (mask_mod, masks.softcap(20.0) if softcap else None), seed)
@@ -224,13 +225,12 @@ def test_engine_prefill_with_symbolic_tiles_on_gpu(reqs, mask, softcap, seed):
     (128, 128, (128, 4096), True),  # one block longer than the KV: divisible, as Inductor reads it
 ])
 def test_whole_blocks_is_inductors_divisibility(q_len, kv_len, blocks, divisible):
-    """flex.whole_blocks, the IS_DIVISIBLE passed to the symbolic prefill compile, holds exactly where Inductor's own
-    static-shape test would (lengths multiples of 128 and of the mask's blocks, or one block covering all): a wrong
-    True would drop the template's bounds checks on a partial tile."""
+    """flex_kernels.whole_blocks, the IS_DIVISIBLE passed to the symbolic prefill compile, holds exactly where
+    Inductor's own static-shape test would (lengths multiples of 128 and of the mask's blocks, or one block covering
+    all): a wrong True would drop the template's bounds checks on a partial tile."""
     from types import SimpleNamespace
-    from flexengine.attention.backends.flex import whole_blocks
     q, k = torch.empty(1, 1, q_len, 8), torch.empty(1, 1, kv_len, 8)
-    assert whole_blocks(q, k, SimpleNamespace(BLOCK_SIZE=blocks)) is divisible
+    assert flex_kernels.whole_blocks(q, k, SimpleNamespace(BLOCK_SIZE=blocks)) is divisible
 
 
 def test_memory_stand_in_compiles_nothing():
@@ -299,12 +299,11 @@ def test_flex_decode_rows_without_full_lists_on_gpu(case):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(batches(max_len=300, decode_only=True), batches(max_len=300)))
 def test_flex_decode_with_heads_as_rows_on_gpu(case):
-    """flex.DECODE_HEADS_AS_ROWS: decode rows (of decode-only and of mixed steps) on flex's attention template, each KV
-    head's query heads as its query rows, against the dense reference (head-dependent masks and score mods among
+    """flex_kernels.DECODE_HEADS_AS_ROWS: decode rows (of decode-only and of mixed steps) on flex's attention template,
+    each KV head's query heads as its query rows, against the dense reference (head-dependent masks and score mods among
     the drawn ones)."""
-    from flexengine.attention.backends import flex
     with pytest.MonkeyPatch.context() as env:
-        env.setattr(flex, "DECODE_HEADS_AS_ROWS", 64)
+        env.setattr(flex_kernels, "DECODE_HEADS_AS_ROWS", 64)
         out, ref = run_case(case, "flex", dtype=torch.bfloat16, device="cuda")
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
@@ -312,14 +311,13 @@ def test_flex_decode_with_heads_as_rows_on_gpu(case):
 def test_heads_as_rows_keeps_large_heads_on_the_decode_template(monkeypatch):
     """Heads larger than HEADS_AS_ROWS_MAX_HEAD_DIM (Gemma-2's 256) keep the decode template; the sizes the H100 ran
     take the attention template, in steps of up to DECODE_HEADS_AS_ROWS decode rows."""
-    from flexengine.attention.backends import flex as flex_backend
     from flexengine.attention.layout import plan_layout
-    monkeypatch.setattr(flex_backend, "HEADS_AS_ROWS_ON_CPU", True)
-    monkeypatch.setattr(flex_backend, "DECODE_HEADS_AS_ROWS", 4)
+    monkeypatch.setattr(flex_kernels, "HEADS_AS_ROWS_ON_CPU", True)
+    monkeypatch.setattr(flex_kernels, "DECODE_HEADS_AS_ROWS", 4)
     small, large = plan_layout([1] * 4, [9] * 4, block_size=16), plan_layout([1] * 5, [9] * 5, block_size=16)
-    takes = {D: flex_backend.takes_heads_as_rows(small, torch.empty(4, 8, D)) for D in (64, 128, 256)}
+    takes = {D: flex_kernels.takes_heads_as_rows(small, torch.empty(4, 8, D)) for D in (64, 128, 256)}
     assert takes == {64: True, 128: True, 256: False}
-    assert not flex_backend.takes_heads_as_rows(large, torch.empty(5, 8, 64))
+    assert not flex_kernels.takes_heads_as_rows(large, torch.empty(5, 8, 64))
 
 
 @pytest.mark.parametrize("mask, plain, score, plain_score", [
@@ -329,19 +327,19 @@ def test_heads_as_rows_keeps_large_heads_on_the_decode_template(monkeypatch):
      lambda s, b, h, q, kv: 2.0 * math.tanh(s / 2.0))])
 @pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 33, 1, 4]])
 def test_compiled_decode_with_heads_as_rows_on_cpu(mask, plain, score, plain_score, query_lens, monkeypatch):
-    """The decode rows' query heads as flex's query rows ([rows, Hkv, G, D], flex.DECODE_HEADS_AS_ROWS), through the
-    CPU's compiled flex, in a decode-only step (the rows in place) and a mixed one: the mods must see each row's
-    query head (h * G + the row) and the request's last position."""
+    """The decode rows' query heads as flex's query rows ([rows, Hkv, G, D], flex_kernels.DECODE_HEADS_AS_ROWS),
+    through the CPU's compiled flex, in a decode-only step (the rows in place) and a mixed one: the mods must see each
+    row's query head (h * G + the row) and the request's last position."""
     from flexengine.attention.backends import flex as flex_backend
     from flexengine.attention.layout import plan_layout
     from flexengine.attention.metadata import build_metadata
-    monkeypatch.setattr(flex_backend, "DECODE_HEADS_AS_ROWS", 8)
-    monkeypatch.setattr(flex_backend, "HEADS_AS_ROWS_ON_CPU", True)
+    monkeypatch.setattr(flex_kernels, "DECODE_HEADS_AS_ROWS", 8)
+    monkeypatch.setattr(flex_kernels, "HEADS_AS_ROWS_ON_CPU", True)
     seq_lens = [70, 33, 5, 17]
     q, kc, vc, tables = make_paged_batch(random.Random(3), seq_lens, query_lens, 16, 8, 2, 16)
     backend = flex_backend.FlexBackend(compile=True)
     layout = plan_layout(query_lens, seq_lens, block_size=16)
-    assert layout.decode_in_place == (max(query_lens) == 1) and flex_backend.takes_heads_as_rows(layout, q)
+    assert layout.decode_in_place == (max(query_lens) == 1) and flex_kernels.takes_heads_as_rows(layout, q)
     meta = build_metadata(torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
                           torch.empty(0, dtype=torch.long), layout, 16, kc.shape[0])
     meta.backend = backend

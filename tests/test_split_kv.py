@@ -91,7 +91,7 @@ def test_rows_of_padding_requests_are_dropped(device, splits):
 def test_decode_kernel_options_keep_the_kv_tile_inside_a_page(monkeypatch):
     """flex's decode kernel gets the split count, and a KV tile no wider than a page, whatever tiles are asked for;
     three pipeline stages only where torch meant them (sm90/sm100, not float32 heads over 128), never off CUDA."""
-    from flexengine.attention.backends import flex
+    from flexengine.attention.backends import flex_kernels as flex
     q = torch.empty(2, 4, 64)
     assert flex.decode_kernel_options(128, 1, q) == {"SPLIT_KV": 1}  # flex's own 64-wide tile
     assert flex.decode_kernel_options(16, 4, q) == {"SPLIT_KV": 4, "BLOCK_N": 16}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 
 import torch
@@ -22,136 +21,16 @@ try:  # torch >= 2.9 asks for the log-sum-exp through return_aux; return_lse is 
 except ImportError:
     LSE_KWARGS = {"return_lse": True}
 
-from ...compile import configure_dynamo, pdl_options, without_duck_sizing
 from ...masks import vmap_over_coords
 from ..metadata import AttentionMetadata, build_phys_to_logical
 from ..layout import KV_TILE, Q_TILE
 from ..split_kv import merge_splits_into
 from ..workspace import gather_pages
+from . import flex_kernels
+from .flex_kernels import (compiled_flex, compiled_prefill_flex, decode_kernel_options, flex_memory_stand_in,
+                           heads_as_rows_kernel_options, takes_heads_as_rows, whole_blocks)
 from .paged_mods import build_block_masks, heads_as_rows_block_mask, paged_mask, paged_score
 from .prefill_kernel import PrefillKernel
-
-
-@functools.cache
-def _compiled_flex():
-    # Eager flex materialises the whole score matrix; on a GPU only the compiled kernel is acceptable,
-    # so fullgraph (no graph breaks) and a recompile budget that raises when exhausted. Shapes are
-    # static: the engine pads decode rows and prefill tiles to buckets, one compile per bucket
-    # (symbolic-shape flex kernels hit an illegal memory access on torch 2.11 in the engine's mixed
-    # steps; see docs/benchmarks.md); an engine's prefill calls take their own compile, PREFILL_DYNAMIC.
-    configure_dynamo()
-    # FLEXENGINE_PDL's option, for the kernels around the template (Inductor gives templates no PDL)
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True, options=pdl_options())
-
-
-def _flex_prefill(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
-    """flex_attention for the prefill tiles, compiled with a symbolic tile count (FlexBackend.symbolic_tiles): a
-    function of its own, so that its graphs and dynamo's record of the sizes it saw keep apart from the decode rows'."""
-    return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                          enable_gqa=enable_gqa, kernel_options=kernel_options)
-
-
-# Whether an engine's Triton prefill call compiles with dynamo's automatic dynamic shapes (FlexBackend.symbolic_tiles):
-# the first bucket static (one tile: dynamo specialises size 1), the next a graph whose tile count is symbolic, which
-# then serves every bucket after it; the pool (the KV length) stays a constant. Otherwise a Triton kernel per bucket,
-# 11 at an 8,192-token budget, each ~2.5 s of a fresh start compiled one after another (session 45, an H200 box: 19
-# flex kernels, 48 s of a 145 s start; 102 s with symbolic tiles). With IS_DIVISIBLE passed (whole_blocks) the
-# symbolic kernel takes 0.88-1.00x the per-bucket kernels' time (session 46, scripts/prefill_dynamic_probe.py).
-PREFILL_DYNAMIC = True
-
-
-def whole_blocks(query, key, block_mask) -> bool:
-    """Inductor's test for flex's IS_DIVISIBLE (no bounds checks on any load or score: both lengths multiples of 128
-    and of the mask's blocks), made here on the concrete lengths: for a symbolic q length Inductor cannot prove it
-    and the kernel bounds-checks every load and score, 10-23% slower on the H200 (session 45)."""
-    def whole(length, block):
-        return length % 128 == 0 and (length % block == 0 or block >= length)
-    q_block, kv_block = block_mask.BLOCK_SIZE
-    return whole(query.shape[-2], q_block) and whole(key.shape[-2], kv_block)
-
-
-@functools.cache
-def _compiled_prefill_flex():
-    configure_dynamo()
-    return without_duck_sizing(torch.compile(_flex_prefill, dynamic=None, fullgraph=True, options=pdl_options()))
-
-
-def flex_memory_stand_in(query, key, value, *args, **kwargs) -> torch.Tensor:
-    """flex_attention's output, uninitialised, after the log-sum-exp its kernels allocate beside it (for memory
-    profiling only). In the query's stride order, as Inductor lays flex's output out (infer_dense_strides): the
-    layers after it compile for the strides they will see (a contiguous stand-in cost one more graph of the
-    region after attention, session 31)."""
-    B, H, L, _ = query.shape
-    lse = torch.empty(B, H, L, dtype=torch.float32, device=query.device)
-    outer_first = sorted(range(4), key=lambda d: -query.stride(d))  # (stable: ties keep their order)
-    shape = (B, H, L, value.shape[-1])
-    out = query.new_empty([shape[d] for d in outer_first]).permute([outer_first.index(d) for d in range(4)])
-    del lse  # (held while out was made, as the kernel's call holds both)
-    return out
-
-
-# Tile options for flex's decode template, on top of its own; None: `default_decode_options`
-# (scripts/decode_step_probe.py sets others).
-DECODE_OPTIONS: dict | None = None
-
-
-@functools.cache
-def default_decode_options(device: torch.device, head_dim: int, dtype: torch.dtype) -> dict:
-    """Three pipeline stages on sm90 and sm100, as torch 2.11's heuristic picks them there (except for float32 heads
-    over 128, whose stages would not fit shared memory) before it overwrites them with its generic default
-    (torch/_inductor/template_heuristics/triton.py, get_flex_decode_configs), so that each program waited on every KV
-    tile's load. H100, session 25, same call: batch-32 decode 1.602 -> 1.529 ms a step; the attention table's decode
-    rows at 128-token pages 0.90x -> 0.98x SDPA-flash at 8x8192, 1.12x -> 1.06x at 64x2048, and 2x faster at 16-token
-    pages (8x8192: 241 -> 126 µs)."""
-    if device.type != "cuda" or (head_dim > 128 and dtype == torch.float32):
-        return {}
-    return {"num_stages": 3} if torch.cuda.get_device_capability(device) in ((9, 0), (10, 0), (10, 3)) else {}
-
-
-def decode_kernel_options(P: int, splits: int, query: torch.Tensor) -> dict:
-    """flex's decode kernel_options for pages of P tokens and `splits` programs per row (its SPLIT_KV) for `query`'s
-    device, head size and dtype: the KV tile must divide the page."""
-    default = DECODE_OPTIONS is None
-    tiles = default_decode_options(query.device, query.shape[-1], query.dtype) if default else DECODE_OPTIONS
-    options = {"SPLIT_KV": splits, **tiles}
-    if P < options.get("BLOCK_N", 128):
-        options["BLOCK_N"] = P
-    return options
-
-
-# The decode rows of steps with at most this many (unsplit) run flex's attention template instead of its decode
-# template, with each KV head's group of query heads as its query rows (q [rows, Hkv, G, D]): the decode template
-# leaves a float32 accumulator that a kernel of its own then normalises (21 µs a step at batch 32 on the H100, 16
-# launches: session 36's profile), where the attention template writes the output itself. A mixed step's decode rows
-# take it too, so that they compile no other kernel than the decode-only steps' of their bucket. 0: never
-# (scripts/decode_step_probe.py heads_as_rows=N). 32: batch 32 −8 to −37 µs a step on two H100 boxes, batch 1 and 8
-# unchanged, no graph more (session 41 in docs/benchmarks.md).
-DECODE_HEADS_AS_ROWS = 32
-HEADS_AS_ROWS_ON_CPU = False  # (a test hook: the CPU's compiled flex then takes it too)
-
-
-# Head sizes up to this take it: those timed and tested on the H100 (16-128); larger ones (Gemma-2's 256) keep the
-# decode template, whose tiles for them are proven, where a forced 16 x 64 tile's stages are not
-HEADS_AS_ROWS_MAX_HEAD_DIM = 128
-
-
-def takes_heads_as_rows(lay, query: torch.Tensor) -> bool:
-    """Whether a step's decode rows run on flex's attention template with query heads as rows (DECODE_HEADS_AS_ROWS)."""
-    return (DECODE_HEADS_AS_ROWS > 0 and (query.is_cuda or HEADS_AS_ROWS_ON_CPU) and lay.kernel_splits == 1
-            and query.shape[-1] <= HEADS_AS_ROWS_MAX_HEAD_DIM and lay.num_decode <= DECODE_HEADS_AS_ROWS)
-
-
-HEADS_AS_ROWS_TILES = {"BLOCK_N": 64}  # (scripts/decode_step_probe.py heads_block_n=..., heads_num_warps=..., ...)
-
-
-def heads_as_rows_kernel_options(P: int, query: torch.Tensor) -> dict:
-    """flex's attention template for rows of a few query heads: the smallest tile of rows (16, for tl.dot) and a KV
-    tile that divides the page; the CPU's template takes no options."""
-    if not query.is_cuda:
-        return {}
-    options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16, **HEADS_AS_ROWS_TILES}
-    options["BLOCK_N"] = min(P, options["BLOCK_N"])
-    return options
 
 
 # Compiled prefill over pages of KV_TILE tokens reads them in place (tile_page_lists) rather than from a copy in the
@@ -211,7 +90,7 @@ class FlexBackend:
             return flex_memory_stand_in
         if torch.compiler.is_compiling():  # inside a compiled model: dynamo traces the flex op itself
             return flex_attention
-        return _compiled_flex()
+        return compiled_flex()
 
     @contextlib.contextmanager
     def memory_stand_in(self):
@@ -344,15 +223,15 @@ class FlexBackend:
         return out
 
     def symbolic_tiles(self, flex, options: dict, query: torch.Tensor) -> bool:
-        """Whether a prefill call takes the compile whose tile count is symbolic (PREFILL_DYNAMIC): an engine's
-        (reserve_workspace) compiled Triton calls on CUDA. An engine's pool, heads and head size never change, so only
-        what scales with the step's tiles goes symbolic; K and V are marked static all the same (~4 µs each on the dev CPU), so
-        that another engine's pool in the same process cannot make this one's KV length symbolic. FA4 compiles one
-        kernel for every bucket by itself (and its wide q blocks are one bucket's); the functional API's calls, over
-        pools of any size, compile per shape; Inductor's CPU template (tests only) fails to build a symbolic tile
-        count on torch 2.13 (a C++ error)."""
-        return (PREFILL_DYNAMIC and query.is_cuda and self.workspace_pages is not None and flex is _compiled_flex()
-                and "BACKEND" not in options)
+        """Whether a prefill call takes the compile whose tile count is symbolic (flex_kernels.PREFILL_DYNAMIC): an
+        engine's (reserve_workspace) compiled Triton calls on CUDA. An engine's pool, heads and head size never change,
+        so only what scales with the step's tiles goes symbolic; K and V are marked static all the same (~4 µs each on
+        the dev CPU), so that another engine's pool in the same process cannot make this one's KV length symbolic.
+        FA4 compiles one kernel for every bucket by itself (and its wide q blocks are one bucket's); the functional
+        API's calls, over pools of any size, compile per shape; Inductor's CPU template (tests only) fails to build a
+        symbolic tile count on torch 2.13 (a C++ error)."""
+        return (flex_kernels.PREFILL_DYNAMIC and query.is_cuda and self.workspace_pages is not None
+                and flex is compiled_flex() and "BACKEND" not in options)
 
     def prefill(self, flex, q, k, v, score_mod, block_mask, scale, gqa):
         """The prefill tiles' flex call, on FA4 or the Triton template (prefill_kernel.py)."""
@@ -360,7 +239,7 @@ class FlexBackend:
             options = self.prefill_kernel.options(q)
             fn = flex
             if self.symbolic_tiles(flex, options, q):
-                fn = _compiled_prefill_flex()
+                fn = compiled_prefill_flex()
                 torch._dynamo.mark_static(k)  # (see symbolic_tiles)
                 torch._dynamo.mark_static(v)
                 options = {**options, "IS_DIVISIBLE": whole_blocks(q, k, block_mask)}
