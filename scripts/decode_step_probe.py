@@ -28,7 +28,8 @@ query rows (flex_kernels.DECODE_HEADS_AS_ROWS; no normalising kernel after the d
 heads_block_n / heads_num_warps / heads_num_stages: that template's tile (flex_kernels.HEADS_AS_ROWS_TILES).
 
 prefill_dynamic=0: the engine's Triton prefill call compiled per tile bucket, not once for a symbolic tile count
-(flex_kernels.PREFILL_DYNAMIC; scripts/prefill_dynamic_probe.py times the kernel alone).
+(flex_kernels.PREFILL_DYNAMIC; scripts/prefill_dynamic_probe.py times the kernel alone). decode_dynamic=1: the decode
+template's rows (steps of more than heads_as_rows) compiled once for a symbolic row count (flex_kernels.DECODE_DYNAMIC).
 
 persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
 two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048
@@ -47,7 +48,7 @@ import sys
 KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
                "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks", "heads_as_rows",
-               "heads_block_n", "heads_num_warps", "heads_num_stages", "prefill_dynamic")
+               "heads_block_n", "heads_num_warps", "heads_num_stages", "prefill_dynamic", "decode_dynamic")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -114,6 +115,7 @@ def main() -> int:
     linear.DOWN_SPLIT_ROWS = engine.get("down_split_rows", linear.DOWN_SPLIT_ROWS)
     flex_kernels.DECODE_HEADS_AS_ROWS = engine.get("heads_as_rows", flex_kernels.DECODE_HEADS_AS_ROWS)
     flex_kernels.PREFILL_DYNAMIC = bool(engine.get("prefill_dynamic", flex_kernels.PREFILL_DYNAMIC))
+    flex_kernels.DECODE_DYNAMIC = bool(engine.get("decode_dynamic", flex_kernels.DECODE_DYNAMIC))
     tiles = {k[len("heads_"):].replace("block_n", "BLOCK_N"): v for k, v in engine.items()
              if k.startswith("heads_") and k != "heads_as_rows"}
     flex_kernels.HEADS_AS_ROWS_TILES = {**flex_kernels.HEADS_AS_ROWS_TILES, **tiles}
@@ -132,7 +134,8 @@ def main() -> int:
           f"every decode page partial up to {metadata.DECODE_PARTIAL_ROWS} rows; down's split-K partial sums up to "
           f"{linear.DOWN_SPLIT_ROWS} rows; decode on the attention template, query heads as rows, up to "
           f"{flex_kernels.DECODE_HEADS_AS_ROWS} rows (tiles {flex_kernels.HEADS_AS_ROWS_TILES}); prefill compiled "
-          f"for a symbolic tile count {flex_kernels.PREFILL_DYNAMIC}; argmax chunks "
+          f"for a symbolic tile count {flex_kernels.PREFILL_DYNAMIC}, decode rows for a symbolic row count "
+          f"{flex_kernels.DECODE_DYNAMIC}; argmax chunks "
           f"{sampler.ARGMAX_CHUNKS}; persistent reductions up to "
           f"{engine.get('persistent_up_to', 'torch default')}; BLAS "
           f"{engine.get('blas', 'torch default')}", flush=True)

@@ -1,11 +1,14 @@
 """The Triton prefill kernel compiled per bucket (static shapes) against one compile whose tile count is symbolic
-(attention/backends/flex_kernels.py's PREFILL_DYNAMIC): the prefill call's µs at the engine's tile buckets, over one pool of
-fixed size as in the engine (its size a constant of both), and the graphs each way compiles.
+(attention/backends/flex_kernels.py's PREFILL_DYNAMIC): the prefill call's µs at the engine's tile buckets, over one
+pool of fixed size as in the engine (its size a constant of both), and the graphs each way compiles.
 
     python3 scripts/prefill_dynamic_probe.py --cases 1x1024,8x1024,1x8192+57344
 
-A case NxL+C is N prompts of L new tokens after C cached ones. Each call is captured in a CUDA graph and timed by
-its replay (triton.testing.do_bench, median µs); the two ways alternate round by round in one process.
+A case NxL+C is N prompts of L new tokens after C cached ones; Nx1+C are N decode rows (past 32 rows on flex's decode
+template, whose row count the symbolic way compiles once too: flex_kernels.DECODE_DYNAMIC; list the largest first, as
+the engine's capture runs them: 256x1+4096,192x1+4096,128x1+4096,96x1+4096,64x1+4096). Each call is captured in a
+CUDA graph and timed by its replay (triton.testing.do_bench, median µs); the two ways alternate round by round in one
+process.
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ def main() -> int:
     ways = [w == "symbolic" for w in args.ways.split(",")]
     graphs, compiles = {False: [], True: []}, {False: 0, True: 0}
     for dynamic in ways:  # each way's compiles first (each call checked by a sync), then the timed rounds
-        flex_kernels.PREFILL_DYNAMIC = dynamic
+        flex_kernels.PREFILL_DYNAMIC = flex_kernels.DECODE_DYNAMIC = dynamic
         before = compile_count()
         backend = flex_backend.FlexBackend(compile=True)
         # (an engine's backend, for symbolic_tiles; its size bounds the pages a tile lists)

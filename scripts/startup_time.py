@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--prefill-per-bucket", action="store_true",
                    help="the Triton prefill call compiled per tile bucket (flex_kernels.PREFILL_DYNAMIC off; the default "
                    "compiles it once for a symbolic tile count)")
+    p.add_argument("--decode-symbolic", action="store_true",
+                   help="the decode template's rows compiled once for a symbolic row count (flex_kernels.DECODE_DYNAMIC)")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
@@ -124,10 +126,10 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
     os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = os.path.join(root, "fa4")  # FA4's compiled kernels too
+    from flexengine.attention.backends import flex_kernels
     from flexengine.benchmarks.common import add_engine_arguments, build_llm
-    if known.prefill_per_bucket:
-        from flexengine.attention.backends import flex_kernels
-        flex_kernels.PREFILL_DYNAMIC = False
+    flex_kernels.PREFILL_DYNAMIC = not known.prefill_per_bucket
+    flex_kernels.DECODE_DYNAMIC = known.decode_symbolic
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)

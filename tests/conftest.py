@@ -30,13 +30,13 @@ def gpu_shaped_engines(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     monkeypatch.setattr(model_runner, "wants_compile", lambda device, enforce_eager: not enforce_eager)
     monkeypatch.setattr(flex.FlexBackend, "compiled", lambda self, device: True)
-    flex_kernels.compiled_flex.cache_clear()
+    flex_kernels.clear_compiled()
     reset_fused()
     torch._dynamo.reset()
 
     def undo():
         monkeypatch.undo()
-        flex_kernels.compiled_flex.cache_clear()
+        flex_kernels.clear_compiled()
         reset_fused()
 
     yield undo

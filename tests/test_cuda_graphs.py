@@ -306,6 +306,33 @@ def test_decode_with_heads_as_rows_compiles_nothing_after_warm_up(gpu_shaped_eng
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
+def test_symbolic_decode_rows_and_prefill_tiles_compile_once_past_the_first_bucket(gpu_shaped_engines, monkeypatch):
+    """flex_kernels.DECODE_DYNAMIC and PREFILL_DYNAMIC on the CUDA engine's path on the CPU (dynamo's eager backend):
+    the decode template's rows and the prefill tiles each compile one static graph for their first bucket and one
+    symbolic graph that serves the buckets after it (dynamo specialises size 1: a graph of its own), mixed traffic
+    adds none, and the tokens are the plain engine's."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from flexengine.attention.backends import flex_kernels
+    from flexengine.compile.warmup import prefill_buckets
+    monkeypatch.setattr(flex_kernels, "DECODE_DYNAMIC", True)
+    monkeypatch.setattr(flex_kernels, "PREFILL_DYNAMIC", True)
+    monkeypatch.setattr(flex_kernels, "SYMBOLIC_ON_CPU", True)
+    monkeypatch.setattr(flex_kernels, "DECODE_HEADS_AS_ROWS", 0)  # (every decode row on the decode template)
+    prompts, params = mixed_traffic(n=20, temperature=0)
+    config = dict(max_num_seqs=16, max_num_batched_tokens=640, num_kv_blocks=96, max_model_len=128)
+    static = LLM(**config)
+    assert len(static.llm_engine.runner.decode_buckets) >= 5 and len(prefill_buckets(static.llm_engine.runner)) >= 3
+    graphs = {fn.__name__: len(_debug_get_cache_entry_list(fn.__code__))
+              for fn in (flex_kernels._flex_decode, flex_kernels._flex_prefill)}
+    assert 1 <= graphs["_flex_decode"] <= 3 and 1 <= graphs["_flex_prefill"] <= 3, graphs
+    before = compile_count()
+    got = static.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up"
+    gpu_shaped_engines()
+    expected = LLM(**config, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logprobs_and_prompt_logprobs_compile_nothing_after_warm_up(gpu_shaped_engines, dtype):
     """The prompt-logprob scoring, in the model dtype (bfloat16 as on a GPU, and float32), is compiled by the

@@ -27,8 +27,8 @@ from ..layout import KV_TILE, Q_TILE
 from ..split_kv import merge_splits_into
 from ..workspace import gather_pages
 from . import flex_kernels
-from .flex_kernels import (compiled_flex, compiled_prefill_flex, decode_kernel_options, flex_memory_stand_in,
-                           heads_as_rows_kernel_options, takes_heads_as_rows, whole_blocks)
+from .flex_kernels import (compiled_decode_flex, compiled_flex, compiled_prefill_flex, decode_kernel_options,
+                           flex_memory_stand_in, heads_as_rows_kernel_options, takes_heads_as_rows, whole_blocks)
 from .paged_mods import build_block_masks, heads_as_rows_block_mask, paged_mask, paged_score
 from .prefill_kernel import PrefillKernel
 
@@ -230,8 +230,19 @@ class FlexBackend:
         FA4 compiles one kernel for every bucket by itself (and its wide q blocks are one bucket's); the functional
         API's calls, over pools of any size, compile per shape; Inductor's CPU template (tests only) fails to build a
         symbolic tile count on torch 2.13 (a C++ error)."""
-        return (flex_kernels.PREFILL_DYNAMIC and query.is_cuda and self.workspace_pages is not None
-                and flex is compiled_flex() and "BACKEND" not in options)
+        return (flex_kernels.PREFILL_DYNAMIC and (query.is_cuda or flex_kernels.SYMBOLIC_ON_CPU)
+                and self.workspace_pages is not None and flex is compiled_flex() and "BACKEND" not in options)
+
+    def decode_flex(self, flex, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The flex call for decode rows on flex's decode template: an engine's compiled calls on CUDA take the
+        compile whose row count is symbolic when flex_kernels.DECODE_DYNAMIC is on (K and V static, as in
+        symbolic_tiles), every other call `flex`."""
+        if not (flex_kernels.DECODE_DYNAMIC and (query.is_cuda or flex_kernels.SYMBOLIC_ON_CPU)
+                and self.workspace_pages is not None and flex is compiled_flex()):
+            return flex
+        torch._dynamo.mark_static(k)
+        torch._dynamo.mark_static(v)
+        return compiled_decode_flex()
 
     def prefill(self, flex, q, k, v, score_mod, block_mask, scale, gqa):
         """The prefill tiles' flex call, on FA4 or the Triton template (prefill_kernel.py)."""
@@ -275,8 +286,8 @@ class FlexBackend:
         if lay.decode_in_place and heads_as_rows:
             return self.decode_heads_as_rows(flex, query, k, v, meta, mask_mod, score_mod, scale)
         if lay.decode_in_place:  # [T, Hq, 1, D] in, out: at S = 1 a gather and a scatter launch fewer per layer
-            return flex(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
-                        **opts)[:, :, 0]
+            return self.decode_flex(flex, query, k, v)(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm,
+                                                       scale=scale, enable_gqa=gqa, **opts)[:, :, 0]
         if lay.num_tiles:  # the token buffer itself, as whole tiles: [1, Hq, Tp * Q_TILE, D], no gather
             if len(meta.ws_src) == 0:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
@@ -294,8 +305,8 @@ class FlexBackend:
             S = lay.decode_splits
             if S == 1:  # (heads as rows: the decode-only steps' kernel, so a mixed step's rows compile nothing more)
                 od = (self.decode_heads_as_rows(flex, rows_q, k, v, meta, mask_mod, score_mod, scale) if heads_as_rows
-                      else flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
-                                **opts)[:, :, 0])
+                      else self.decode_flex(flex, qd, k, v)(qd, k, v, score_mod=dec_sm, block_mask=dec_bm,
+                                                            scale=scale, enable_gqa=gqa, **opts)[:, :, 0])
                 merge_splits_into(out, meta.decode_dst, od, None, 1)
             else:  # the splits' merge and the scatter to the token rows: one launch on CUDA
                 od, lse = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,

@@ -56,6 +56,35 @@ def compiled_prefill_flex():
     return without_duck_sizing(torch.compile(_flex_prefill, dynamic=None, fullgraph=True, options=pdl_options()))
 
 
+def _flex_decode(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
+    """flex_attention for decode rows on flex's decode template, compiled with a symbolic row count
+    (FlexBackend.decode_flex): a function of its own, as _flex_prefill is."""
+    return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=enable_gqa, kernel_options=kernel_options)
+
+
+# Whether an engine's decode rows on flex's decode template (steps of more rows than DECODE_HEADS_AS_ROWS, decode-only
+# and mixed) compile with dynamo's automatic dynamic shapes, as PREFILL_DYNAMIC does for the prefill tiles: at
+# max_num_seqs 256 the buckets 256, 192, 128, 96 and 64 are 5 compiles of ~2.2 s each on a fresh H200 box (session
+# 46's recompile log), 2 this way. The template's q length is 1, so it bounds-checks either way (no IS_DIVISIBLE to
+# lose); only its grid and the block mask's rows go symbolic. Off: not yet run on a GPU (symbolic flex kernels in the
+# engine's mixed steps once hit an illegal memory access on torch 2.11; see compiled_flex).
+DECODE_DYNAMIC = False
+SYMBOLIC_ON_CPU = False  # (a test hook: with dynamo's eager backend, conftest's gpu_shaped_engines, the CPU takes both)
+
+
+@functools.cache
+def compiled_decode_flex():
+    configure_dynamo()
+    return without_duck_sizing(torch.compile(_flex_decode, dynamic=None, fullgraph=True, options=pdl_options()))
+
+
+def clear_compiled() -> None:
+    """Forget the compiled flex calls (for tests that swap torch.compile's backend)."""
+    for fn in (compiled_flex, compiled_prefill_flex, compiled_decode_flex):
+        fn.cache_clear()
+
+
 def flex_memory_stand_in(query, key, value, *args, **kwargs) -> torch.Tensor:
     """flex_attention's output, uninitialised, after the log-sum-exp its kernels allocate beside it (for memory
     profiling only). In the query's stride order, as Inductor lays flex's output out (infer_dense_strides): the
