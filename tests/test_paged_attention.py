@@ -203,40 +203,36 @@ def test_engine_prefill_with_symbolic_tiles_on_gpu(reqs, mask, softcap, seed):
     """An engine's Triton prefill call (flex_kernels.PREFILL_DYNAMIC: one compile whose tile count is symbolic serves
     every bucket past the first two) over drawn layouts on one pool, with built-in and captured-tensor masks and a
     softcap, against the reference backend."""
-    from flexengine.attention.backends import flex as flex_backend
-    mask_mod = {"causal": masks.causal, "window": masks.sliding_window(300), "chunked": masks.chunked_local(256),
-                "document": document_mask(4096, 301)[0]}[mask]
-    g = torch.Generator().manual_seed(2)
-    kc = torch.randn(96, 128, 2, 64, generator=g).to("cuda", torch.bfloat16)
-    vc = torch.randn(96, 128, 2, 64, generator=g).to("cuda", torch.bfloat16)
-    with flex_prefill("triton"), pytest.MonkeyPatch.context() as env:
-        env.setattr(flex_kernels, "PREFILL_DYNAMIC", True)
-        backend = flex_backend.FlexBackend()
-        backend.reserve_workspace(96, 128, 2, 64, torch.bfloat16, "cuda")
-        out, ref = engine_prefill(backend, kc, vc, reqs, (mask_mod, masks.softcap(20.0) if softcap else None), seed)
-    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    symbolic_engine_step({"PREFILL_DYNAMIC": True}, reqs, mask, softcap, seed, pages=96)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from([1, 1, 1, 1, 1, 1, 37, 200]), st.integers(0, 380)), min_size=2, max_size=40),
-       st.sampled_from(["causal", "window", "document"]), st.booleans(), st.integers(0, 2**16))
+       st.sampled_from(["causal", "window", "chunked", "document"]), st.booleans(), st.integers(0, 2**16))
 def test_engine_decode_with_symbolic_rows_on_gpu(reqs, mask, softcap, seed):
     """An engine's decode rows on flex's decode template with flex_kernels.DECODE_DYNAMIC (one compile whose row
     count is symbolic serves every row count past the first two), in decode-only and mixed steps over drawn layouts
     on one pool, with built-in and captured-tensor masks and a softcap, against the reference backend."""
+    flags = {"DECODE_DYNAMIC": True, "DECODE_HEADS_AS_ROWS": 0}  # (every decode row on the decode template)
+    symbolic_engine_step(flags, reqs, mask, softcap, seed, pages=160)
+
+
+def symbolic_engine_step(flags: dict, reqs, mask: str, softcap: bool, seed: int, pages: int):
+    """engine_prefill on CUDA over a pool of `pages` 128-token pages for an engine's backend (reserve_workspace)
+    with flex_kernels' `flags` set, against the reference backend."""
     from flexengine.attention.backends import flex as flex_backend
-    mask_mod = {"causal": masks.causal, "window": masks.sliding_window(300),
+    mask_mod = {"causal": masks.causal, "window": masks.sliding_window(300), "chunked": masks.chunked_local(256),
                 "document": document_mask(4096, 301)[0]}[mask]
-    g = torch.Generator().manual_seed(3)
-    kc = torch.randn(160, 128, 2, 64, generator=g).to("cuda", torch.bfloat16)
-    vc = torch.randn(160, 128, 2, 64, generator=g).to("cuda", torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    kc = torch.randn(pages, 128, 2, 64, generator=g).to("cuda", torch.bfloat16)
+    vc = torch.randn(pages, 128, 2, 64, generator=g).to("cuda", torch.bfloat16)
     with flex_prefill("triton"), pytest.MonkeyPatch.context() as env:
-        env.setattr(flex_kernels, "DECODE_DYNAMIC", True)
-        env.setattr(flex_kernels, "DECODE_HEADS_AS_ROWS", 0)  # (every decode row on the decode template)
+        for name, value in flags.items():
+            env.setattr(flex_kernels, name, value)
         backend = flex_backend.FlexBackend()
-        backend.reserve_workspace(160, 128, 2, 64, torch.bfloat16, "cuda")
+        backend.reserve_workspace(pages, 128, 2, 64, torch.bfloat16, "cuda")
         out, ref = engine_prefill(backend, kc, vc, reqs, (mask_mod, masks.softcap(20.0) if softcap else None), seed)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
