@@ -21,7 +21,7 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,argmax_chunks=64 -- latency ...  # greedy argmax over 64 chunks a row
     python3 scripts/decode_step_probe.py default,heads_as_rows=32 -- latency ...  # decode on flex's attention template
     python3 scripts/decode_step_probe.py default,heads_as_rows=32,heads_block_n=128,heads_num_warps=4 -- latency ...
-    python3 scripts/decode_step_probe.py default,prefill_dynamic=1 -- throughput ...  # one prefill compile (below)
+    python3 scripts/decode_step_probe.py default,prefill_dynamic=0 -- throughput ...  # a prefill compile per bucket
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
 query rows (flex_kernels.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);

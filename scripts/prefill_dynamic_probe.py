@@ -86,7 +86,7 @@ def main() -> int:
         flex_kernels.PREFILL_DYNAMIC = flex_kernels.DECODE_DYNAMIC = dynamic
         before = compile_count()
         backend = flex_backend.FlexBackend(compile=True)
-        # (an engine's backend, for symbolic_tiles; its size bounds the pages a tile lists)
+        # (an engine's backend, for symbolic_flex; its size bounds the pages a tile lists)
         backend.reserve_workspace(width * max(n for n, _, _ in cases), PAGE, Hkv, D, kc.dtype, device)
         rng = random.Random(0)
         for case in cases:

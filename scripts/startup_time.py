@@ -128,8 +128,10 @@ def main() -> None:
     os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = os.path.join(root, "fa4")  # FA4's compiled kernels too
     from flexengine.attention.backends import flex_kernels
     from flexengine.benchmarks.common import add_engine_arguments, build_llm
-    flex_kernels.PREFILL_DYNAMIC = not known.prefill_per_bucket
-    flex_kernels.DECODE_DYNAMIC = known.decode_symbolic
+    if known.prefill_per_bucket:
+        flex_kernels.PREFILL_DYNAMIC = False
+    if known.decode_symbolic:
+        flex_kernels.DECODE_DYNAMIC = True
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)

@@ -284,9 +284,9 @@ def test_static_shape_steps_never_recompile_after_warm_up(gpu_shaped_engines, en
 
 
 def test_decode_with_heads_as_rows_compiles_nothing_after_warm_up(gpu_shaped_engines, monkeypatch):
-    """flex_kernels.DECODE_HEADS_AS_ROWS on the CUDA engine's path on the CPU: the decode rows of steps with up to 4 (decode-only
-    and mixed) run flex's attention template with each KV head's query heads as its rows; the warm-up compiles them,
-    mixed traffic adds no graph, and the tokens are the plain engine's."""
+    """flex_kernels.DECODE_HEADS_AS_ROWS on the CUDA engine's path on the CPU: the decode rows of steps with up to 4
+    (decode-only and mixed) run flex's attention template with each KV head's query heads as its rows; the warm-up
+    compiles them, mixed traffic adds no graph, and the tokens are the plain engine's."""
     from flexengine.attention.backends import flex, flex_kernels
     monkeypatch.setattr(flex_kernels, "DECODE_HEADS_AS_ROWS", 4)
     monkeypatch.setattr(flex_kernels, "HEADS_AS_ROWS_ON_CPU", True)
@@ -323,8 +323,8 @@ def test_symbolic_decode_rows_and_prefill_tiles_compile_once_past_the_first_buck
     static = LLM(**config)
     assert len(static.llm_engine.runner.decode_buckets) >= 5 and len(prefill_buckets(static.llm_engine.runner)) >= 3
     graphs = {fn.__name__: len(_debug_get_cache_entry_list(fn.__code__))
-              for fn in (flex_kernels._flex_decode, flex_kernels._flex_prefill)}
-    assert 1 <= graphs["_flex_decode"] <= 3 and 1 <= graphs["_flex_prefill"] <= 3, graphs
+              for fn in (flex_kernels.flex_for_decode, flex_kernels.flex_for_prefill)}
+    assert 1 <= graphs["flex_for_decode"] <= 3 and 1 <= graphs["flex_for_prefill"] <= 3, graphs
     before = compile_count()
     got = static.generate(prompts, params, use_tqdm=False)
     assert compile_count() == before, "a shape compiled after warm-up"

@@ -27,7 +27,7 @@ from ..layout import KV_TILE, Q_TILE
 from ..split_kv import merge_splits_into
 from ..workspace import gather_pages
 from . import flex_kernels
-from .flex_kernels import (compiled_decode_flex, compiled_flex, compiled_prefill_flex, decode_kernel_options,
+from .flex_kernels import (compiled_flex, compiled_symbolic, decode_kernel_options, flex_for_decode, flex_for_prefill,
                            flex_memory_stand_in, heads_as_rows_kernel_options, takes_heads_as_rows, whole_blocks)
 from .paged_mods import build_block_masks, heads_as_rows_block_mask, paged_mask, paged_score
 from .prefill_kernel import PrefillKernel
@@ -222,37 +222,29 @@ class FlexBackend:
             merge_splits_into(out, meta.decode_dst, od.squeeze(2), None, 1)
         return out
 
-    def symbolic_tiles(self, flex, options: dict, query: torch.Tensor) -> bool:
-        """Whether a prefill call takes the compile whose tile count is symbolic (flex_kernels.PREFILL_DYNAMIC): an
-        engine's (reserve_workspace) compiled Triton calls on CUDA. An engine's pool, heads and head size never change,
-        so only what scales with the step's tiles goes symbolic; K and V are marked static all the same (~4 µs each on
-        the dev CPU), so that another engine's pool in the same process cannot make this one's KV length symbolic.
-        FA4 compiles one kernel for every bucket by itself (and its wide q blocks are one bucket's); the functional
-        API's calls, over pools of any size, compile per shape; Inductor's CPU template (tests only) fails to build a
+    def symbolic_flex(self, on: bool, fn, flex, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The compile of `fn` (flex_kernels.flex_for_prefill or flex_for_decode) whose rows are symbolic, for an
+        engine's (reserve_workspace) compiled calls on CUDA when `on` (flex_kernels.PREFILL_DYNAMIC, DECODE_DYNAMIC);
+        otherwise `flex`. An engine's pool, heads and head size never change, so only what scales with the step's
+        tiles or rows goes symbolic; K and V are marked static all the same (~4 µs each on the dev CPU), so that
+        another engine's pool in the same process cannot make this one's KV length symbolic. The functional API's
+        calls, over pools of any size, compile per shape; Inductor's CPU template (tests only) fails to build a
         symbolic tile count on torch 2.13 (a C++ error)."""
-        return (flex_kernels.PREFILL_DYNAMIC and (query.is_cuda or flex_kernels.SYMBOLIC_ON_CPU)
-                and self.workspace_pages is not None and flex is compiled_flex() and "BACKEND" not in options)
-
-    def decode_flex(self, flex, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """The flex call for decode rows on flex's decode template: an engine's compiled calls on CUDA take the
-        compile whose row count is symbolic when flex_kernels.DECODE_DYNAMIC is on (K and V static, as in
-        symbolic_tiles), every other call `flex`."""
-        if not (flex_kernels.DECODE_DYNAMIC and (query.is_cuda or flex_kernels.SYMBOLIC_ON_CPU)
-                and self.workspace_pages is not None and flex is compiled_flex()):
+        if not (on and (query.is_cuda or flex_kernels.SYMBOLIC_ON_CPU) and self.workspace_pages is not None
+                and flex is compiled_flex()):
             return flex
         torch._dynamo.mark_static(k)
         torch._dynamo.mark_static(v)
-        return compiled_decode_flex()
+        return compiled_symbolic(fn)
 
     def prefill(self, flex, q, k, v, score_mod, block_mask, scale, gqa):
         """The prefill tiles' flex call, on FA4 or the Triton template (prefill_kernel.py)."""
         def call():
             options = self.prefill_kernel.options(q)
-            fn = flex
-            if self.symbolic_tiles(flex, options, q):
-                fn = compiled_prefill_flex()
-                torch._dynamo.mark_static(k)  # (see symbolic_tiles)
-                torch._dynamo.mark_static(v)
+            # (FA4 compiles one kernel for every bucket by itself, and its wide q blocks are one bucket's)
+            on = flex_kernels.PREFILL_DYNAMIC and "BACKEND" not in options
+            fn = self.symbolic_flex(on, flex_for_prefill, flex, q, k, v)
+            if fn is not flex:
                 options = {**options, "IS_DIVISIBLE": whole_blocks(q, k, block_mask)}
             return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                       kernel_options=options)
@@ -286,8 +278,9 @@ class FlexBackend:
         if lay.decode_in_place and heads_as_rows:
             return self.decode_heads_as_rows(flex, query, k, v, meta, mask_mod, score_mod, scale)
         if lay.decode_in_place:  # [T, Hq, 1, D] in, out: at S = 1 a gather and a scatter launch fewer per layer
-            return self.decode_flex(flex, query, k, v)(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm,
-                                                       scale=scale, enable_gqa=gqa, **opts)[:, :, 0]
+            fn = self.symbolic_flex(flex_kernels.DECODE_DYNAMIC, flex_for_decode, flex, query, k, v)
+            return fn(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
+                      **opts)[:, :, 0]
         if lay.num_tiles:  # the token buffer itself, as whole tiles: [1, Hq, Tp * Q_TILE, D], no gather
             if len(meta.ws_src) == 0:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
@@ -304,9 +297,11 @@ class FlexBackend:
             qd = rows_q.unsqueeze(2)
             S = lay.decode_splits
             if S == 1:  # (heads as rows: the decode-only steps' kernel, so a mixed step's rows compile nothing more)
-                od = (self.decode_heads_as_rows(flex, rows_q, k, v, meta, mask_mod, score_mod, scale) if heads_as_rows
-                      else self.decode_flex(flex, qd, k, v)(qd, k, v, score_mod=dec_sm, block_mask=dec_bm,
-                                                            scale=scale, enable_gqa=gqa, **opts)[:, :, 0])
+                if heads_as_rows:
+                    od = self.decode_heads_as_rows(flex, rows_q, k, v, meta, mask_mod, score_mod, scale)
+                else:
+                    fn = self.symbolic_flex(flex_kernels.DECODE_DYNAMIC, flex_for_decode, flex, qd, k, v)
+                    od = fn(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa, **opts)[:, :, 0]
                 merge_splits_into(out, meta.decode_dst, od, None, 1)
             else:  # the splits' merge and the scatter to the token rows: one launch on CUDA
                 od, lse = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,

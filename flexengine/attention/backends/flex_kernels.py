@@ -24,14 +24,15 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False, fullgraph=True, options=pdl_options())
 
 
-def _flex_prefill(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
-    """flex_attention for the prefill tiles, compiled with a symbolic tile count (FlexBackend.symbolic_tiles): a
-    function of its own, so that its graphs and dynamo's record of the sizes it saw keep apart from the decode rows'."""
+def flex_for_prefill(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
+    """flex_attention for the prefill tiles, compiled with a symbolic tile count (FlexBackend.symbolic_flex): a
+    function of its own (a code object of its own: a closure would share one), so that its graphs and dynamo's record
+    of the sizes it saw keep apart from the decode rows'."""
     return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
                           enable_gqa=enable_gqa, kernel_options=kernel_options)
 
 
-# Whether an engine's Triton prefill call compiles with dynamo's automatic dynamic shapes (FlexBackend.symbolic_tiles):
+# Whether an engine's Triton prefill call compiles with dynamo's automatic dynamic shapes (FlexBackend.symbolic_flex):
 # the first bucket static (one tile: dynamo specialises size 1), the next a graph whose tile count is symbolic, which
 # then serves every bucket after it; the pool (the KV length) stays a constant. Otherwise a Triton kernel per bucket,
 # 11 at an 8,192-token budget, each ~2.5 s of a fresh start compiled one after another (session 45, an H200 box: 19
@@ -50,15 +51,9 @@ def whole_blocks(query, key, block_mask) -> bool:
     return whole(query.shape[-2], q_block) and whole(key.shape[-2], kv_block)
 
 
-@functools.cache
-def compiled_prefill_flex():
-    configure_dynamo()
-    return without_duck_sizing(torch.compile(_flex_prefill, dynamic=None, fullgraph=True, options=pdl_options()))
-
-
-def _flex_decode(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
+def flex_for_decode(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
     """flex_attention for decode rows on flex's decode template, compiled with a symbolic row count
-    (FlexBackend.decode_flex): a function of its own, as _flex_prefill is."""
+    (FlexBackend.symbolic_flex): a function of its own, as flex_for_prefill is."""
     return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
                           enable_gqa=enable_gqa, kernel_options=kernel_options)
 
@@ -74,15 +69,16 @@ SYMBOLIC_ON_CPU = False  # (a test hook: with dynamo's eager backend, conftest's
 
 
 @functools.cache
-def compiled_decode_flex():
+def compiled_symbolic(fn):
+    """`fn` (flex_for_prefill or flex_for_decode) compiled with dynamo's automatic dynamic shapes."""
     configure_dynamo()
-    return without_duck_sizing(torch.compile(_flex_decode, dynamic=None, fullgraph=True, options=pdl_options()))
+    return without_duck_sizing(torch.compile(fn, dynamic=None, fullgraph=True, options=pdl_options()))
 
 
 def clear_compiled() -> None:
     """Forget the compiled flex calls (for tests that swap torch.compile's backend)."""
-    for fn in (compiled_flex, compiled_prefill_flex, compiled_decode_flex):
-        fn.cache_clear()
+    compiled_flex.cache_clear()
+    compiled_symbolic.cache_clear()
 
 
 def flex_memory_stand_in(query, key, value, *args, **kwargs) -> torch.Tensor:
