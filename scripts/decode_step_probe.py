@@ -28,8 +28,8 @@ query rows (flex_kernels.DECODE_HEADS_AS_ROWS; no normalising kernel after the d
 heads_block_n / heads_num_warps / heads_num_stages: that template's tile (flex_kernels.HEADS_AS_ROWS_TILES).
 
 prefill_dynamic=0: the engine's Triton prefill call compiled per tile bucket, not once for a symbolic tile count
-(flex_kernels.PREFILL_DYNAMIC; scripts/prefill_dynamic_probe.py times the kernel alone). decode_dynamic=1: the decode
-template's rows (steps of more than heads_as_rows) compiled once for a symbolic row count (flex_kernels.DECODE_DYNAMIC).
+(flex_kernels.PREFILL_DYNAMIC; scripts/prefill_dynamic_probe.py times the kernel alone). decode_dynamic=1: every
+unsplit decode row with query heads as rows, compiled once for a symbolic row count (flex_kernels.DECODE_DYNAMIC).
 
 persistent_up_to=N: Inductor reduces rows of up to N elements in one pass (a persistent reduction) where it takes
 two from 1,025 (torch's InductorChoices threshold): the decoder's residual sum + RMSNorm over a hidden size of 2,048

@@ -13,8 +13,9 @@
 # a first start with empty compile caches, then a second that reads them), startup_kernels (a fresh start with every
 # Triton kernel compiled in the main process, listed by compile seconds: what a fresh box waits for), prefill_symbolic
 # (scripts/prefill_dynamic_probe.py, PROBE_ARGS: the Triton prefill call per bucket against one compile for a symbolic
-# tile count, the default; that path's GPU tests; a fresh start with a compile per bucket), decode_symbolic (the decode
-# template's rows compiled once for a symbolic row count: its GPU test, a fresh start with it), metadata_probe
+# tile count, the default; that path's GPU tests; a fresh start with a compile per bucket), decode_symbolic (unsplit
+# decode rows with query heads as rows, compiled once for a symbolic row count: the probe's decode cases for the decode
+# template per bucket, heads as rows per bucket and that one compile; its GPU test, a fresh start with it), metadata_probe
 # (scripts/decode_metadata_probe.py: the decode graphs' metadata eager against compiled), host
 # (scripts/step_host_time.py: host time of each step's inputs), host_mixed (the same at a 2,048-token budget, so the
 # steps with prompt tokens run from the mixed graphs, with a cProfile of the run), host_base (the host stage's table, HOST_ARGS or a 2,048-token budget, for
@@ -212,14 +213,14 @@ for stage in "$@"; do
            # the prefill kernel compiled once (a symbolic tile count) against one per bucket, its GPU tests, and a fresh
            # start with a compile per bucket, each recompile's reason logged (what a fresh start compiles more than once)
     decode_symbolic) step decode_dynamic_probe 200 python3 scripts/prefill_dynamic_probe.py \
-             ${PROBE_ARGS:---cases 256x1+4096,192x1+4096,128x1+4096,96x1+4096,64x1+4096,96x1+32768}
+             ${PROBE_ARGS:---ways static,heads,symbolic --cases 256x1+4096,192x1+4096,128x1+4096,96x1+4096,64x1+4096,32x1+4096,16x1+4096,96x1+32768}
            step decode_symbolic_tests 240 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short \
              tests/test_paged_attention.py -k engine_decode_with_symbolic
            model && step startup_decode_symbolic 250 env TORCH_LOGS=recompiles python3 scripts/startup_time.py \
-             --decode-symbolic --model "$MODEL_DIR" --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-} ;;  # issue 24: the
-           # decode template's rows compiled once for a symbolic row count (flex_kernels.DECODE_DYNAMIC): the kernel per
-           # bucket against it (the buckets past the largest, which the engine captures first, run the symbolic one), its
-           # GPU test, and a fresh start with it
+             --decode-symbolic --model "$MODEL_DIR" --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-} ;;  # issue 24:
+           # unsplit decode rows as heads-as-rows compiled once for a symbolic row count (flex_kernels.DECODE_DYNAMIC):
+           # the kernels per bucket against it (the buckets past the largest, which the engine captures first, run the
+           # symbolic one), its GPU test, and a fresh start with it
     metadata_probe) model && step metadata_probe 200 python3 scripts/decode_metadata_probe.py --model "$MODEL_DIR" ;;
            # the decode graphs' metadata, eager against one Inductor graph: GPU µs, kernels, compile seconds
     softcap) for form in ${TANH_FORMS:-engine}; do  # what a softcap score mod costs in FA4, per tanh lowering

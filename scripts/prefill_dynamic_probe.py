@@ -5,10 +5,11 @@ pool of fixed size as in the engine (its size a constant of both), and the graph
     python3 scripts/prefill_dynamic_probe.py --cases 1x1024,8x1024,1x8192+57344
 
 A case NxL+C is N prompts of L new tokens after C cached ones; Nx1+C are N decode rows (past 32 rows on flex's decode
-template, whose row count the symbolic way compiles once too: flex_kernels.DECODE_DYNAMIC; list the largest first, as
-the engine's capture runs them: 256x1+4096,192x1+4096,128x1+4096,96x1+4096,64x1+4096). Each call is captured in a
-CUDA graph and timed by its replay (triton.testing.do_bench, median µs); the two ways alternate round by round in one
-process.
+template per bucket; the symbolic way runs every unsplit decode row with query heads as rows, compiled once for a
+symbolic row count: flex_kernels.DECODE_DYNAMIC; list the largest first, as the engine's capture runs them:
+256x1+4096,192x1+4096,128x1+4096,96x1+4096,64x1+4096). The way `heads` runs decode rows with query heads as rows at
+every row count, compiled per bucket. Each call is captured in a CUDA graph and timed by its replay
+(triton.testing.do_bench, median µs); the ways alternate round by round in one process.
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ from flexengine.benchmarks.attention import bench, parse_mods
 from flexengine.compile.policy import compile_count
 
 PAGE = 128
+# each way's flex_kernels flags: per bucket; query heads as rows at every decode row count, per bucket; one compile
+# for a symbolic tile or row count
+WAYS = {"static": {"PREFILL_DYNAMIC": False, "DECODE_DYNAMIC": False, "DECODE_HEADS_AS_ROWS": flex_kernels.DECODE_HEADS_AS_ROWS},
+        "heads": {"PREFILL_DYNAMIC": False, "DECODE_DYNAMIC": False, "DECODE_HEADS_AS_ROWS": 1 << 20},
+        "symbolic": {"PREFILL_DYNAMIC": True, "DECODE_DYNAMIC": True, "DECODE_HEADS_AS_ROWS": flex_kernels.DECODE_HEADS_AS_ROWS}}
 
 
 def parse_cases(text: str) -> list[tuple[int, int, int]]:
@@ -69,7 +75,8 @@ def main() -> int:
     p.add_argument("--mask", default="causal")
     p.add_argument("--score", default=None)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--ways", default="static,symbolic", help="which compiles to run, comma-separated: static, symbolic")
+    p.add_argument("--ways", default="static,symbolic",
+                   help=f"which compiles to run, comma-separated, the first the baseline: {', '.join(WAYS)}")
     args = p.parse_args()
     device = torch.device("cuda")
     cases = parse_cases(args.cases)
@@ -78,40 +85,42 @@ def main() -> int:
     kc = torch.randn(args.pool_pages, PAGE, Hkv, D, device=device, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     width = max(-(-(c + n) // PAGE) for _, n, c in cases)
-    if not set(args.ways.split(",")) <= {"static", "symbolic"}:
-        raise SystemExit(f"--ways: static, symbolic or both comma-separated, not {args.ways!r}")
-    ways = [w == "symbolic" for w in args.ways.split(",")]
-    graphs, compiles = {False: [], True: []}, {False: 0, True: 0}
-    for dynamic in ways:  # each way's compiles first (each call checked by a sync), then the timed rounds
-        flex_kernels.PREFILL_DYNAMIC = flex_kernels.DECODE_DYNAMIC = dynamic
+    ways = args.ways.split(",")
+    if not set(ways) <= set(WAYS):
+        raise SystemExit(f"--ways: some of {', '.join(WAYS)}, comma-separated, not {args.ways!r}")
+    graphs, compiles = {w: [] for w in ways}, {}
+    for way in ways:  # each way's compiles first (each call checked by a sync), then the timed rounds
+        for name, value in WAYS[way].items():
+            setattr(flex_kernels, name, value)
         before = compile_count()
         backend = flex_backend.FlexBackend(compile=True)
         # (an engine's backend, for symbolic_flex; its size bounds the pages a tile lists)
         backend.reserve_workspace(width * max(n for n, _, _ in cases), PAGE, Hkv, D, kc.dtype, device)
         rng = random.Random(0)
         for case in cases:
-            print(f"{'symbolic' if dynamic else 'static'} {case}", flush=True)
-            graphs[dynamic].append(captured_call(backend, case, kc, vc, mods, width, rng))
-            graphs[dynamic][-1][0].replay()
+            print(f"{way} {case}", flush=True)
+            graphs[way].append(captured_call(backend, case, kc, vc, mods, width, rng))
+            graphs[way][-1][0].replay()
             torch.cuda.synchronize()
-        compiles[dynamic] = compile_count() - before
-    times = {(d, i): [] for d in ways for i in range(len(cases))}
+        compiles[way] = compile_count() - before
+    times = {(w, i): [] for w in ways for i in range(len(cases))}
     for _ in range(args.rounds):
-        for dynamic in ways:
-            for i, (graph, _, _) in enumerate(graphs[dynamic]):
-                times[dynamic, i].append(bench(graph.replay))
+        for way in ways:
+            for i, (graph, _, _) in enumerate(graphs[way]):
+                times[way, i].append(bench(graph.replay))
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | Hq={4 * Hkv} Hkv={Hkv} D={D} bf16 | pool "
           f"{args.pool_pages} pages of {PAGE} | mask {args.mask}, score {args.score} | median µs per round, "
           f"{args.rounds} rounds alternating")
-    print(f"# graphs compiled: per bucket {compiles[False]}, symbolic tiles {compiles[True]}")
-    print("| case | tiles | per bucket, µs | symbolic, µs | symbolic / per bucket |")
-    print("|---|---|---|---|---|")
+    print("# graphs compiled: " + ", ".join(f"{w} {compiles[w]}" for w in ways))
+    others = ways[1:]
+    print("| case | tiles | " + " | ".join(f"{w}, µs" for w in ways) + "".join(f" | {w} / {ways[0]}" for w in others)
+          + " |")
+    print("|---|---|" + "---|" * (len(ways) + len(others)))
     for i, (n, length, cached) in enumerate(cases):
-        s, d = times.get((False, i), [float("nan")]), times.get((True, i), [float("nan")])
-        ratio = min(d) / min(s)
         name = f"{n}x{length}" + (f"+{cached}" if cached else "")
-        print(f"| {name} | {graphs[ways[0]][i][1]} | {' / '.join(f'{t:.0f}' for t in s)} | "
-              f"{' / '.join(f'{t:.0f}' for t in d)} | {ratio:.3f} |")
+        cells = [" / ".join(f"{t:.0f}" for t in times[w, i]) for w in ways]
+        cells += [f"{min(times[w, i]) / min(times[ways[0], i]):.3f}" for w in others]
+        print(f"| {name} | {graphs[ways[0]][i][1]} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -118,7 +118,8 @@ def main() -> None:
                    help="the Triton prefill call compiled per tile bucket (flex_kernels.PREFILL_DYNAMIC off; the default "
                    "compiles it once for a symbolic tile count)")
     p.add_argument("--decode-symbolic", action="store_true",
-                   help="the decode template's rows compiled once for a symbolic row count (flex_kernels.DECODE_DYNAMIC)")
+                   help="unsplit decode rows as query heads as rows, compiled once for a symbolic row count "
+                   "(flex_kernels.DECODE_DYNAMIC)")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))

@@ -308,16 +308,16 @@ def test_decode_with_heads_as_rows_compiles_nothing_after_warm_up(gpu_shaped_eng
 
 def test_symbolic_decode_rows_and_prefill_tiles_compile_once_past_the_first_bucket(gpu_shaped_engines, monkeypatch):
     """flex_kernels.DECODE_DYNAMIC and PREFILL_DYNAMIC on the CUDA engine's path on the CPU (dynamo's eager backend):
-    the decode template's rows and the prefill tiles each compile one static graph for their first bucket and one
-    symbolic graph that serves the buckets after it (dynamo specialises size 1: a graph of its own), mixed traffic
-    adds none, and the tokens are the plain engine's."""
+    the unsplit decode rows (query heads as rows) and the prefill tiles each compile one static graph for their first
+    bucket and one symbolic graph that serves the buckets after it (dynamo specialises size 1: a graph of its own),
+    mixed traffic adds none, and the tokens are the plain engine's."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from flexengine.attention.backends import flex_kernels
     from flexengine.compile.warmup import prefill_buckets
     monkeypatch.setattr(flex_kernels, "DECODE_DYNAMIC", True)
     monkeypatch.setattr(flex_kernels, "PREFILL_DYNAMIC", True)
     monkeypatch.setattr(flex_kernels, "SYMBOLIC_ON_CPU", True)
-    monkeypatch.setattr(flex_kernels, "DECODE_HEADS_AS_ROWS", 0)  # (every decode row on the decode template)
+    monkeypatch.setattr(flex_kernels, "HEADS_AS_ROWS_ON_CPU", True)
     prompts, params = mixed_traffic(n=20, temperature=0)
     config = dict(max_num_seqs=16, max_num_batched_tokens=640, num_kv_blocks=96, max_model_len=128)
     static = LLM(**config)

@@ -212,11 +212,11 @@ def test_engine_prefill_with_symbolic_tiles_on_gpu(reqs, mask, softcap, seed):
 @given(st.lists(st.tuples(st.sampled_from([1, 1, 1, 1, 1, 1, 37, 200]), st.integers(0, 380)), min_size=2, max_size=40),
        st.sampled_from(["causal", "window", "chunked", "document"]), st.booleans(), st.integers(0, 2**16))
 def test_engine_decode_with_symbolic_rows_on_gpu(reqs, mask, softcap, seed):
-    """An engine's decode rows on flex's decode template with flex_kernels.DECODE_DYNAMIC (one compile whose row
-    count is symbolic serves every row count past the first two), in decode-only and mixed steps over drawn layouts
-    on one pool, with built-in and captured-tensor masks and a softcap, against the reference backend."""
-    flags = {"DECODE_DYNAMIC": True, "DECODE_HEADS_AS_ROWS": 0}  # (every decode row on the decode template)
-    symbolic_engine_step(flags, reqs, mask, softcap, seed, pages=160)
+    """An engine's unsplit decode rows with query heads as rows at every row count, flex_kernels.DECODE_DYNAMIC (one
+    compile whose row count is symbolic serves every row count past the first two), in decode-only and mixed steps
+    over drawn layouts on one pool, with built-in and captured-tensor masks and a softcap, against the reference
+    backend."""
+    symbolic_engine_step({"DECODE_DYNAMIC": True}, reqs, mask, softcap, seed, pages=160)
 
 
 def symbolic_engine_step(flags: dict, reqs, mask: str, softcap: bool, seed: int, pages: int):

@@ -153,8 +153,9 @@ class FlexBackend:
         Hkv, P = k.shape[1], meta.block_size
         G = Hq // Hkv
         block_mask, score = self.heads_as_rows_mods(meta, mask_mod, score_mod, G)
-        out = flex(query.reshape(rows, Hkv, G, D), k, v, score_mod=score, block_mask=block_mask, scale=scale,
-                   kernel_options=heads_as_rows_kernel_options(P, query))
+        fn = self.symbolic_flex(flex_kernels.DECODE_DYNAMIC, flex_for_decode, flex, query, k, v)
+        out = fn(query.reshape(rows, Hkv, G, D), k, v, score_mod=score, block_mask=block_mask, scale=scale,
+                 enable_gqa=False, kernel_options=heads_as_rows_kernel_options(P, query))
         return out.reshape(rows, Hq, D)
 
     def heads_as_rows_mods(self, meta: AttentionMetadata, mask_mod, score_mod, group: int):
@@ -278,9 +279,8 @@ class FlexBackend:
         if lay.decode_in_place and heads_as_rows:
             return self.decode_heads_as_rows(flex, query, k, v, meta, mask_mod, score_mod, scale)
         if lay.decode_in_place:  # [T, Hq, 1, D] in, out: at S = 1 a gather and a scatter launch fewer per layer
-            fn = self.symbolic_flex(flex_kernels.DECODE_DYNAMIC, flex_for_decode, flex, query, k, v)
-            return fn(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
-                      **opts)[:, :, 0]
+            return flex(query.unsqueeze(2), k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
+                        **opts)[:, :, 0]
         if lay.num_tiles:  # the token buffer itself, as whole tiles: [1, Hq, Tp * Q_TILE, D], no gather
             if len(meta.ws_src) == 0:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
@@ -300,8 +300,7 @@ class FlexBackend:
                 if heads_as_rows:
                     od = self.decode_heads_as_rows(flex, rows_q, k, v, meta, mask_mod, score_mod, scale)
                 else:
-                    fn = self.symbolic_flex(flex_kernels.DECODE_DYNAMIC, flex_for_decode, flex, qd, k, v)
-                    od = fn(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa, **opts)[:, :, 0]
+                    od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa, **opts)[:, :, 0]
                 merge_splits_into(out, meta.decode_dst, od, None, 1)
             else:  # the splits' merge and the scatter to the token rows: one launch on CUDA
                 od, lse = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,

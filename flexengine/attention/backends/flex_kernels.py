@@ -52,18 +52,19 @@ def whole_blocks(query, key, block_mask) -> bool:
 
 
 def flex_for_decode(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
-    """flex_attention for decode rows on flex's decode template, compiled with a symbolic row count
+    """flex_attention for decode rows with query heads as rows, compiled with a symbolic row count
     (FlexBackend.symbolic_flex): a function of its own, as flex_for_prefill is."""
     return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
                           enable_gqa=enable_gqa, kernel_options=kernel_options)
 
 
-# Whether an engine's decode rows on flex's decode template (steps of more rows than DECODE_HEADS_AS_ROWS, decode-only
-# and mixed) compile with dynamo's automatic dynamic shapes, as PREFILL_DYNAMIC does for the prefill tiles: at
-# max_num_seqs 256 the buckets 256, 192, 128, 96 and 64 are 5 compiles of ~2.2 s each on a fresh H200 box (session
-# 46's recompile log), 2 this way. The template's q length is 1, so it bounds-checks either way (no IS_DIVISIBLE to
-# lose); only its grid and the block mask's rows go symbolic. Off: not yet run on a GPU (symbolic flex kernels in the
-# engine's mixed steps once hit an illegal memory access on torch 2.11; see compiled_flex).
+# Whether an engine's unsplit decode rows (decode-only and mixed steps) all run with query heads as rows
+# (takes_heads_as_rows), compiled with dynamo's automatic dynamic shapes as PREFILL_DYNAMIC does for the prefill tiles:
+# at max_num_seqs 256 the decode template's buckets 256, 192, 128, 96 and 64 are 5 compiles of ~2.2 s each on a fresh
+# H200 box (session 46's recompile log). Not on flex's decode template: its lowering takes a static batch only
+# (_use_flex_decoding in torch/_inductor/kernel/flex/flex_decoding.py) and a symbolic one falls back to the attention
+# template with 128-row q tiles for one query row, 5.7-6.4x slower at 64-256 rows (session 47,
+# scripts/prefill_dynamic_probe.py); the attention template with heads as rows takes a symbolic batch as it is.
 DECODE_DYNAMIC = False
 SYMBOLIC_ON_CPU = False  # (a test hook: with dynamo's eager backend, conftest's gpu_shaped_engines, the CPU takes both)
 
@@ -142,8 +143,8 @@ HEADS_AS_ROWS_MAX_HEAD_DIM = 128
 
 def takes_heads_as_rows(lay, query: torch.Tensor) -> bool:
     """Whether a step's decode rows run on flex's attention template with query heads as rows (DECODE_HEADS_AS_ROWS)."""
-    return (DECODE_HEADS_AS_ROWS > 0 and (query.is_cuda or HEADS_AS_ROWS_ON_CPU) and lay.kernel_splits == 1
-            and query.shape[-1] <= HEADS_AS_ROWS_MAX_HEAD_DIM and lay.num_decode <= DECODE_HEADS_AS_ROWS)
+    return ((query.is_cuda or HEADS_AS_ROWS_ON_CPU) and lay.kernel_splits == 1
+            and query.shape[-1] <= HEADS_AS_ROWS_MAX_HEAD_DIM and (lay.num_decode <= DECODE_HEADS_AS_ROWS or DECODE_DYNAMIC))
 
 
 HEADS_AS_ROWS_TILES = {"BLOCK_N": 64}  # (scripts/decode_step_probe.py heads_block_n=..., heads_num_warps=..., ...)
