@@ -14,6 +14,7 @@ every row count, compiled per bucket. Each call is captured in a CUDA graph and 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 
 import torch
@@ -77,7 +78,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ways", default="static,symbolic",
                    help=f"which compiles to run, comma-separated, the first the baseline: {', '.join(WAYS)}")
+    p.add_argument("--heads-tiles", type=json.loads, default=None,
+                   help='flex_kernels.HEADS_AS_ROWS_TILES for every way, e.g. \'{"BLOCK_N": 64, "num_warps": 2}\'')
     args = p.parse_args()
+    if args.heads_tiles is not None:
+        flex_kernels.HEADS_AS_ROWS_TILES = args.heads_tiles
     device = torch.device("cuda")
     cases = parse_cases(args.cases)
     Hkv, D = args.kv_heads, args.head_dim

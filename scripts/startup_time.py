@@ -110,6 +110,22 @@ def kernel_report(top: int = 30) -> str:
     return "\n".join(lines)
 
 
+def graph_report() -> str:
+    """Each dynamo graph compiled, by function: graphs, seconds in all, and of them the backend's (AOT + Inductor,
+    with the Triton compiles it waited for) and dynamo's own tracing (the rest)."""
+    import torch._dynamo.utils as dynamo_utils
+    by_fn = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for m in dynamo_utils.get_compilation_metrics():
+        row = by_fn[f"{m.co_name} ({os.path.basename(m.co_filename or '?')})"]
+        row[0] += 1
+        row[1] += m.entire_frame_compile_time_s or 0.0
+        row[2] += m.backend_compile_time_s or 0.0
+    lines = ["dynamo graphs by function: graphs, seconds, of which backend (AOT + Inductor + Triton) and tracing:"]
+    for name, (n, total, backend) in sorted(by_fn.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"  {total:6.1f} s  {n:3d}x  backend {backend:5.1f} s  tracing {total - backend:5.1f} s  {name}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache-dir", help="Inductor's and Triton's caches here (default: a fresh, empty folder)")
@@ -153,6 +169,7 @@ def main() -> None:
     print(dynamo_utils.compile_times(repr="str", aggregate=True), flush=True)
     print("dynamo counters:", {k: dict(v) for k, v in dynamo_utils.counters.items() if k in ("stats", "frames")},
           flush=True)
+    print(graph_report(), flush=True)
     if sampler:
         for what, seconds in COMPILES.items():
             print(f"{what}: {len(seconds)} calls, {sum(seconds):.1f} s (longest {max(seconds):.1f} s)", flush=True)
