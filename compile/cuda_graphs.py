@@ -181,8 +181,8 @@ def refresh_decode_positions(meta: AttentionMetadata) -> None:
 
 
 # On CUDA: a kernel or two each inside the decode graphs, not a launch per op.
-_compiled_take_inputs = compiled_on_first_use(take_inputs, size_oblivious=True)
-_compiled_positions = compiled_on_first_use(refresh_decode_positions, size_oblivious=True)
+_compiled_take_inputs = compiled_on_first_use(take_inputs)
+_compiled_positions = compiled_on_first_use(refresh_decode_positions)
 
 
 @contextlib.contextmanager

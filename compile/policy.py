@@ -167,7 +167,7 @@ def compile_region(fn, combo: bool, autotune_pointwise: bool = True):
     return torch.compile(fn, dynamic=True, fullgraph=True, options=options)
 
 
-def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False, size_oblivious: bool = False):
+def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False):
     """Mark a pure step (a norm, rotary, an activation, a layer's work beside attention) for Inductor.
 
     Compiled with dynamic shapes, so every layer and every batch size shares the code (a module passed
@@ -186,15 +186,9 @@ def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False,
     is compiled as a constant. A dynamic one makes every pointwise kernel over [rows, vocab] divide each element's
     index by it at run time, in 64-bit integers: the token mask's kernel took 395 µs at 256 rows of a 128k
     vocabulary on the H100 (session 21).
-
-    `size_oblivious`: traced with fx's backed_size_oblivious and without duck sizing (without_duck_sizing), one
-    graph for one row and for many (the sampler's steps: dynamo specialised each size of 1, and made the penalised
-    rows and the step's rows one symbol where both were 1: 3 graphs of the penalties, 2 of the sampling on a fresh
-    start, session 47).
     """
     if fn is None:
-        return functools.partial(fused, writes_kv_cache=writes_kv_cache, static_vocab=static_vocab,
-                                 size_oblivious=size_oblivious)
+        return functools.partial(fused, writes_kv_cache=writes_kv_cache, static_vocab=static_vocab)
 
     names = list(inspect.signature(fn).parameters)
     caches = [(names.index(name), name) for name in ("k_cache", "v_cache")] if writes_kv_cache else []
@@ -209,8 +203,7 @@ def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False,
             mark_page_shape_static(args[i] if i < len(args) else kwargs[name])
         combo = _FUSE["combo"]
         if combo not in wrapper.compiled:
-            compiled = compile_region(fn, combo, autotune_pointwise=not writes_kv_cache)
-            wrapper.compiled[combo] = without_duck_sizing(compiled, size_oblivious=True) if size_oblivious else compiled
+            wrapper.compiled[combo] = compile_region(fn, combo, autotune_pointwise=not writes_kv_cache)
         return wrapper.compiled[combo](*args, **kwargs)
 
     wrapper.eager, wrapper.compiled = fn, {}
@@ -227,43 +220,30 @@ def mark_page_shape_static(cache: torch.Tensor) -> None:
         cache._flexengine_static_pages = True
 
 
-def compiled_on_first_use(fn, size_oblivious: bool = False):
+def compiled_on_first_use(fn):
     """→ a function returning fn compiled by `compile_region`, made once, on its first call (the device-side step
     helpers the CUDA engine runs through Inductor, whatever the `fused` setting: small integer work, combo kernels
-    unless FLEXENGINE_COMBO_KERNELS=0), traced without duck sizing; `size_oblivious` (traced_with): the decode
-    graphs' helpers, which dynamo otherwise compiled again for the batch-1 bucket (take_inputs, the decode positions,
-    the page lists: 3 of its 9 graphs on a fresh H200 start, session 47)."""
+    unless FLEXENGINE_COMBO_KERNELS=0), traced without duck sizing."""
     @functools.cache
     def compiled():
-        return without_duck_sizing(compile_region(fn, env_combo_kernels()), size_oblivious=size_oblivious)
+        return without_duck_sizing(compile_region(fn, env_combo_kernels()))
     return compiled
 
 
-def without_duck_sizing(compiled_fn, size_oblivious: bool = False):
+def without_duck_sizing(compiled_fn):
     """compiled_fn traced with sizes that are equal at the first trace kept as separate symbols. The decode graphs'
     helpers take the bucket's rows beside buffers of every row; the largest bucket, compiled first, fills them, and
     dynamo's duck sizing made the two one symbol, so every smaller bucket compiled take_inputs, the page lists and the
     positions again: 3 of the 4 graphs at 192 rows (TORCH_LOGS=recompiles on the H100, session 29). Only these
-    helpers: the model's regions keep their sizes unified. `size_oblivious`: see traced_with."""
-    return traced_with(compiled_fn, use_duck_shape=False, backed_size_oblivious=size_oblivious)
-
-
-def traced_with(compiled_fn, **fx_settings):
-    """compiled_fn, its traces made under torch.fx.experimental._config's `fx_settings` (use_duck_shape;
-    backed_size_oblivious: a symbolic size may be 0 or 1, so dynamo compiles no graph of its own for one row). Set and
-    restored by hand around each call: `fx_config.patch` cost tens of µs a call on the CPU, and an eager step calls
-    the page lists once per mask."""
+    helpers: the model's regions keep their sizes unified. (Set and restored by hand: `fx_config.patch` cost tens of
+    µs a call on the CPU, and an eager step calls the page lists once per mask.)"""
     import torch.fx.experimental._config as fx_config
-    names, values = tuple(fx_settings), tuple(fx_settings.values())
 
     @functools.wraps(compiled_fn)
     def run(*args, **kwargs):
-        before = [getattr(fx_config, name) for name in names]
-        for name, value in zip(names, values):
-            setattr(fx_config, name, value)
+        before, fx_config.use_duck_shape = fx_config.use_duck_shape, False
         try:
             return compiled_fn(*args, **kwargs)
         finally:
-            for name, value in zip(names, before):
-                setattr(fx_config, name, value)
+            fx_config.use_duck_shape = before
     return run

@@ -64,7 +64,7 @@ def apply_adjust(logits: torch.Tensor, a: LogitsAdjust, in_place: bool = False) 
     return logits
 
 
-@fused(static_vocab=True, size_oblivious=True)
+@fused(static_vocab=True)
 def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, is_output: torch.Tensor,
                     repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> None:
     """The repetition, frequency and presence penalties (LogitsAdjust), into `logits`. Compiled on the CUDA engine:
@@ -72,12 +72,9 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tens
     counts = torch.zeros(len(rows), logits.shape[1], device=logits.device)
     counts.scatter_add_(1, tokens, is_output.float())  # each token's occurrences in the output
     n = counts.gather(1, tokens)
-    # flat indices: a [P, 1] and [P, L] index pair made dynamo specialise P = 1 (its broadcast), a graph more; L is at
-    # least 2 (LogitsAdjuster.penalties_into), as the store below specialises P * L = 1
-    flat = (rows[:, None] * logits.shape[1] + tokens).view(-1)
-    x, r = logits.view(-1)[flat].view(tokens.shape), repetition[:, None]
+    x, r = logits[rows[:, None], tokens], repetition[:, None]
     x = torch.where(x > 0, x / r, x * r) - frequency[:, None] * n - presence[:, None] * (n > 0)
-    logits.view(-1)[flat] = x.view(-1)  # a token repeated in the history gets the same value each time
+    logits[rows[:, None], tokens] = x  # a token repeated in the history gets the same value each time
 
 
 NO_LIMIT = 2 ** 31 - 1  # TokenMask.limit of a row without a grammar
@@ -119,7 +116,7 @@ def token_allowed(bitmask: torch.Tensor, limit: torch.Tensor, V: int) -> torch.T
     return bit & (ids < limit[:, None])
 
 
-@fused(static_vocab=True, size_oblivious=True)
+@fused(static_vocab=True)
 def mask_by_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     """apply_token_mask as the CUDA engine runs it where the sampling kernel cannot take the mask (logprobs,
     logits processors, top-k/p, greedy batches): one pointwise kernel through Inductor. Writes into `logits`."""
@@ -224,7 +221,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return (chunk * (V // S) + where.gather(1, chunk)).squeeze(1)
 
 
-@fused(static_vocab=True, size_oblivious=True)
+@fused(static_vocab=True)
 def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, q: torch.Tensor,
                        mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rows with temperature > 0: the Gumbel-max draw argmax(softmax(logits / T) / q); the others: greedy. Compiled
@@ -243,9 +240,9 @@ class Sampler:
         self.compiled = compiled    # temperature_sample through Inductor (warm_up compiles it at start-up)
 
     def warm_up(self, vocab_size: int, device) -> None:
-        """Compile temperature_sample and the penalties (one graph each for one row and for several: traced
-        size-obliviously, dynamo would specialise a size of 1), and, where xgrammar is installed (JSON mode),
-        temperature_sample's masked version and the token mask: a first such request would otherwise wait for them."""
+        """Compile temperature_sample and the penalties for one row and for several (dynamo specialises a size of
+        1), and, where xgrammar is installed (JSON mode), temperature_sample's masked version and the token mask: a
+        first such request would otherwise wait for them."""
         masks = self.compiled and importlib.util.find_spec("xgrammar") is not None
         with torch.inference_mode(), fused_elementwise(self.compiled):
             for n in (1, 2):
@@ -257,7 +254,8 @@ class Sampler:
                                      torch.full((n,), NO_LIMIT, dtype=torch.int32, device=device))
                     temperature_sample(logits, t, q, (mask.bitmask, mask.limit))
                     self.mask(logits, mask)
-            # penalised rows P of a step of n, histories of 5: sizes that differ, and sizes of 1
+            # penalised rows P of a step of n, histories of 5: sizes that differ (dynamo would take equal ones
+            # for one), and each size 1 that dynamo specialises
             for n, P in ((1, 1), (3, 1), (3, 2)):
                 tokens = torch.zeros(P, 5, dtype=torch.int64, device=device)
                 apply_penalties(torch.zeros(n, vocab_size, device=device), torch.arange(P, device=device), tokens,

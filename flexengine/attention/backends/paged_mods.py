@@ -285,4 +285,4 @@ def decode_lists(meta: AttentionMetadata, mask_mod, values: list[torch.Tensor], 
 # One Inductor graph for the ~40 small integer ops of the lists, which a decode CUDA graph otherwise replays as as
 # many kernels every step (at batch 1 each costs its run plus ~1 µs of launch gap: docs/benchmarks.md, session 18).
 # Dynamic shapes: the buckets share it.
-_compiled_decode_lists = compiled_on_first_use(decode_lists, size_oblivious=True)
+_compiled_decode_lists = compiled_on_first_use(decode_lists)
