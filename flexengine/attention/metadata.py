@@ -186,20 +186,32 @@ def decode_full_lists(meta: AttentionMetadata) -> bool:
     return lay.kernel_splits == 1 and not few
 
 
+def keeps_full_lists(meta: AttentionMetadata, device) -> torch.Tensor:
+    """decode_full_lists as a 0-d bool tensor, for traced code: made from the layout's sizes by tensor ops, so that
+    dynamo guards on none of them (each comparison of a symbolic size was a graph more of the page lists: 5 graphs on a
+    fresh start, session 47, where one row, split rows, kernel splits and few rows each took their own)."""
+    lay = meta.layout
+    keep = torch.scalar_tensor(lay.kernel_splits, device=device) == 1
+    if DECODE_PARTIAL_ROWS > 0 and (meta.block_tables.is_cuda or PARTIAL_ONLY_ON_CPU):
+        keep &= torch.scalar_tensor(lay.num_decode * lay.decode_splits, device=device) > DECODE_PARTIAL_ROWS
+    return keep
+
+
 def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor]):
     """Per decode row: the partial and the full page lists for `mask_mod`, as flex kv_* tensors [rows, M],
     logical pages mapped through the block table (so no page of another request can appear)."""
     S = meta.layout.decode_splits
     rows = slice(0, meta.layout.num_decode * S)
     lo, flo, fhi, hi = block_ranges(meta, mask_mod, param_values, rows, meta.block_size)
-    if S > 1:  # decode row s of a request reads the s-th contiguous slice of its page range
-        chunk = (hi - lo + S - 1) // S
-        lo = (lo + meta.span_split[rows] * chunk).clamp(max=hi)
-        hi = (lo + chunk).clamp(max=hi)
-        flo, fhi = flo.clamp(lo, hi), fhi.clamp(lo, hi)
-        fhi = torch.maximum(fhi, flo)
-    if not decode_full_lists(meta):  # every page partial
-        flo = fhi = hi
+    # decode row s of a request reads the s-th contiguous slice of its page range; unsplit rows (S = 1, their
+    # span_split 0) the whole range: one formula, no branch on S for dynamo to guard
+    chunk = (hi - lo + S - 1) // S
+    lo = (lo + meta.span_split[rows] * chunk).clamp(max=hi)
+    hi = (lo + chunk).clamp(max=hi)
+    flo, fhi = flo.clamp(lo, hi), fhi.clamp(lo, hi)
+    fhi = torch.maximum(fhi, flo)
+    keep = keeps_full_lists(meta, lo.device)  # otherwise every page partial
+    flo, fhi = torch.where(keep, flo, hi), torch.where(keep, fhi, hi)
     M = meta.block_tables.shape[1]
     kv_num, partial, full_num, full = block_lists(lo, flo, fhi, hi, M)
     tables = meta.block_tables[meta.span_req[rows]]

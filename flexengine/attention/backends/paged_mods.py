@@ -272,13 +272,13 @@ def decode_lists(meta: AttentionMetadata, mask_mod, values: list[torch.Tensor], 
     [>= rows, num_blocks], zeros elsewhere: → (partial counts, full counts). Flex wants the BlockMask as wide as the
     pool, but reads a row only up to its count (<= the table width M), so the columns past M stay the zeros they
     were made with, and a step writes [rows, M] instead of widening to [rows, pool] (two pool-wide tables were
-    2 x 4 MB a batch-32 step over a 31,289-page pool, 2 x 32 MB at 256 rows: session 43). The full list only where
-    the step has one (decode_full_lists)."""
+    2 x 4 MB a batch-32 step over a 31,289-page pool, 2 x 32 MB at 256 rows: session 43). A step without full lists
+    (decode_full_lists) writes its empty ones all the same (no branch for dynamo to guard: a graph each side), and
+    its BlockMask does not read them."""
     kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, values)
     (N, M), num_blocks = kv_idx.shape, kv_idx_out.shape[1]
     kv_idx_out[:N, : min(M, num_blocks)] = kv_idx[:, :num_blocks]
-    if decode_full_lists(meta):
-        full_idx_out[:N, : min(M, num_blocks)] = full_idx[:, :num_blocks]
+    full_idx_out[:N, : min(M, num_blocks)] = full_idx[:, :num_blocks]
     return kv_num, full_num
 
 
