@@ -28,9 +28,10 @@ from flexengine.compile.policy import compile_count
 PAGE = 128
 # each way's flex_kernels flags: per bucket; query heads as rows at every decode row count, per bucket; one compile
 # for a symbolic tile or row count
-WAYS = {"static": {"PREFILL_DYNAMIC": False, "DECODE_DYNAMIC": False, "DECODE_HEADS_AS_ROWS": flex_kernels.DECODE_HEADS_AS_ROWS},
+HEADS = flex_kernels.DECODE_HEADS_AS_ROWS
+WAYS = {"static": {"PREFILL_DYNAMIC": False, "DECODE_DYNAMIC": False, "DECODE_HEADS_AS_ROWS": HEADS},
         "heads": {"PREFILL_DYNAMIC": False, "DECODE_DYNAMIC": False, "DECODE_HEADS_AS_ROWS": 1 << 20},
-        "symbolic": {"PREFILL_DYNAMIC": True, "DECODE_DYNAMIC": True, "DECODE_HEADS_AS_ROWS": flex_kernels.DECODE_HEADS_AS_ROWS}}
+        "symbolic": {"PREFILL_DYNAMIC": True, "DECODE_DYNAMIC": True, "DECODE_HEADS_AS_ROWS": HEADS}}
 
 
 def parse_cases(text: str) -> list[tuple[int, int, int]]:

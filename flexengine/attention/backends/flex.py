@@ -300,7 +300,8 @@ class FlexBackend:
                 if heads_as_rows:
                     od = self.decode_heads_as_rows(flex, rows_q, k, v, meta, mask_mod, score_mod, scale)
                 else:
-                    od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa, **opts)[:, :, 0]
+                    od = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,
+                              **opts)[:, :, 0]
                 merge_splits_into(out, meta.decode_dst, od, None, 1)
             else:  # the splits' merge and the scatter to the token rows: one launch on CUDA
                 od, lse = flex(qd, k, v, score_mod=dec_sm, block_mask=dec_bm, scale=scale, enable_gqa=gqa,

@@ -142,9 +142,11 @@ HEADS_AS_ROWS_MAX_HEAD_DIM = 128
 
 
 def takes_heads_as_rows(lay, query: torch.Tensor) -> bool:
-    """Whether a step's decode rows run on flex's attention template with query heads as rows (DECODE_HEADS_AS_ROWS)."""
+    """Whether a step's decode rows run on flex's attention template with query heads as rows (DECODE_HEADS_AS_ROWS;
+    every unsplit row with DECODE_DYNAMIC)."""
     return ((query.is_cuda or HEADS_AS_ROWS_ON_CPU) and lay.kernel_splits == 1
-            and query.shape[-1] <= HEADS_AS_ROWS_MAX_HEAD_DIM and (lay.num_decode <= DECODE_HEADS_AS_ROWS or DECODE_DYNAMIC))
+            and query.shape[-1] <= HEADS_AS_ROWS_MAX_HEAD_DIM
+            and (lay.num_decode <= DECODE_HEADS_AS_ROWS or DECODE_DYNAMIC))
 
 
 HEADS_AS_ROWS_TILES = {"BLOCK_N": 64}  # (scripts/decode_step_probe.py heads_block_n=..., heads_num_warps=..., ...)
