@@ -181,8 +181,7 @@ def decode_full_lists(meta: AttentionMetadata) -> bool:
     length, so one program would read it all)."""
     lay = meta.layout
     # the row count compared last: under dynamo a comparison of a symbolic size is a guard (and a graph each side)
-    few = DECODE_PARTIAL_ROWS > 0 and (meta.block_tables.is_cuda or PARTIAL_ONLY_ON_CPU) and (
-        lay.num_decode * lay.decode_splits <= DECODE_PARTIAL_ROWS)
+    few = partial_only_for_few_rows(meta) and lay.num_decode * lay.decode_splits <= DECODE_PARTIAL_ROWS
     return lay.kernel_splits == 1 and not few
 
 
@@ -192,9 +191,14 @@ def keeps_full_lists(meta: AttentionMetadata, device) -> torch.Tensor:
     fresh start, session 47, where one row, split rows, kernel splits and few rows each took their own)."""
     lay = meta.layout
     keep = torch.scalar_tensor(lay.kernel_splits, device=device) == 1
-    if DECODE_PARTIAL_ROWS > 0 and (meta.block_tables.is_cuda or PARTIAL_ONLY_ON_CPU):
+    if partial_only_for_few_rows(meta):
         keep &= torch.scalar_tensor(lay.num_decode * lay.decode_splits, device=device) > DECODE_PARTIAL_ROWS
     return keep
+
+
+def partial_only_for_few_rows(meta: AttentionMetadata) -> bool:
+    """Whether steps of up to DECODE_PARTIAL_ROWS decode rows list every page as partial on this device."""
+    return DECODE_PARTIAL_ROWS > 0 and (meta.block_tables.is_cuda or PARTIAL_ONLY_ON_CPU)
 
 
 def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor]):
