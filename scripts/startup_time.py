@@ -60,31 +60,38 @@ def time_compiles() -> None:
 
 class StackSampler(threading.Thread):
     """Every `period` s, the main thread's stack: counts per function (inclusive, each once a sample) and per
-    coarse stage (the innermost frame's package that STAGES names)."""
+    coarse stage (the innermost frame's package that STAGES names), and per innermost frame beside its nearest caller
+    in Inductor (what a stage's time is: a Triton compile in the main thread, and who asked for it)."""
 
     def __init__(self, period: float = 0.02):
         super().__init__(daemon=True)
         self.period, self.main, self.stop = period, threading.main_thread().ident, threading.Event()
         self.functions, self.stages, self.samples = collections.Counter(), collections.Counter(), 0
         self.by_phase = collections.Counter()  # (phase, stage) -> samples
+        self.innermost = collections.Counter()  # (stage, innermost frame, nearest torch/_inductor frame) -> samples
 
     def run(self) -> None:
         while not self.stop.wait(self.period):
             frame = sys._current_frames().get(self.main)
-            names, stage, phase = set(), None, "other"
+            names, stage, phase, inner, caller = set(), None, "other", None, None
             while frame is not None:
                 code = frame.f_code
                 path = code.co_filename.replace("\\", "/")
+                here = f"{path.rsplit('site-packages/', 1)[-1]}:{code.co_name}"
+                inner = inner or here
+                if caller is None and "torch/_inductor" in path:
+                    caller = here
                 if stage is None:
                     stage = next((s for s, keys in STAGES if any(k in path for k in keys)), None)
                 if code.co_name in PHASES:
                     phase = code.co_name
-                names.add(f"{path.rsplit('site-packages/', 1)[-1]}:{code.co_name}")
+                names.add(here)
                 frame = frame.f_back
             self.samples += 1
             self.functions.update(names)
             self.stages[stage or "other"] += 1
             self.by_phase[phase, stage or "other"] += 1
+            self.innermost[stage or "other", inner, caller] += 1
 
     def report(self, top: int = 60) -> str:
         n = max(self.samples, 1)
@@ -96,6 +103,8 @@ class StackSampler(threading.Thread):
             total = sum(c for c, _ in cells)
             lines.append(f"  {phase:22s} {total * self.period:6.1f} s: "
                          + ", ".join(f"{st} {c * self.period:.1f}" for c, st in cells))
+        lines.append("innermost frames (stage, frame, its nearest Inductor caller), top 25:")
+        lines += [f"  {c * self.period:7.1f} s  {st}: {f}  <- {cl}" for (st, f, cl), c in self.innermost.most_common(25)]
         lines.append(f"functions by inclusive share (top {top}):")
         lines += [f"  {c * self.period:7.1f} s {c / n:6.1%}  {f}" for f, c in self.functions.most_common(top)]
         return "\n".join(lines)
