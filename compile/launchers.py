@@ -13,7 +13,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER_THREADS = 8  # C compiles at once (Inductor's worker processes compile the kernels themselves meanwhile)
+# C compiles at once (Inductor's worker processes compile the kernels meanwhile); 0: Inductor's own wait, one kernel
+# after another (scripts/startup_time.py --serial-launchers, to compare the two on one box)
+LAUNCHER_THREADS = 8
 
 
 def parallel_wait_futures(wait_futures, pool: ThreadPoolExecutor):
@@ -35,7 +37,9 @@ def parallel_wait_futures(wait_futures, pool: ThreadPoolExecutor):
 @functools.cache
 def build_launchers_in_parallel() -> bool:
     """Install parallel_wait_futures into this process's Inductor, once. False, said once, where this torch's
-    Inductor has no such wait (the launchers are then built one at a time, as before)."""
+    Inductor has no such wait (the launchers are then built one at a time, as before); False with LAUNCHER_THREADS 0."""
+    if LAUNCHER_THREADS == 0:
+        return False
     from torch._inductor.async_compile import AsyncCompile
     wait_futures = getattr(AsyncCompile, "_wait_futures", None)
     if wait_futures is None:
