@@ -142,6 +142,14 @@ def take_inputs(inputs, fed_ids, input_ids, positions, seq_lens, block_tables, s
     slot_mapping.copy_(slot)
 
 
+def decode_layout(seq_lens: list[int], splits: int):
+    """A decode bucket's layout: one query a row, and for a bucket of one row a padding span past it. Dynamo compiles
+    a size of 1 on its own: with one span, the batch-1 graph's positions were a graph of their own, and its page lists
+    one that the prompt-step graphs with one decode row beside their spans could not share (a graph more each on a
+    fresh start, TORCH_LOGS=recompiles on an H200, session 48)."""
+    return plan_layout([1] * len(seq_lens), seq_lens, decode_splits=splits, pad_segments_to=int(len(seq_lens) == 1))
+
+
 def own_layout_tensors(meta: AttentionMetadata) -> AttentionMetadata:
     """`meta` with each layout array in a tensor of its own (a copy, once per bucket), as the mixed graphs' plan
     gives them. build_metadata's are views of one packed copy, at storage offsets that differ by bucket (1 at one
@@ -239,7 +247,7 @@ class DecodeGraphRunner:
         """The bucket's metadata over views of the static buffers (layout fixed: one query per row)."""
         if bs not in self.metas:
             b = self.bufs
-            layout = plan_layout([1] * bs, [1] * bs, decode_splits=self.splits[bs])
+            layout = decode_layout([1] * bs, self.splits[bs])
             # Whole per-request buffers (max_num_seqs rows), as the ordinary step pads them: one
             # compiled kernel per bucket serves both the graphs and mixed steps.
             meta = own_layout_tensors(build_metadata(b.block_tables, b.seq_lens, b.slot_mapping[:bs], layout,

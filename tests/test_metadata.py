@@ -270,13 +270,16 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
     bucket writes its lists into the leading rows and columns of the same pool-wide tables, as the decode graphs'
     kept tables are written: what a BlockMask reads is page_lists' lists then zeros, whatever bucket ran before.
     Steps of up to 16 rows list every page as partial here, as a GPU's do (DECODE_PARTIAL_ROWS), so both sides of
-    that choice run in the one graph."""
+    that choice run in the one graph. The buckets' layouts are the decode graphs' (cuda_graphs.decode_layout), and a
+    step with prompt tokens and one decode row shares the batch-1 bucket's graph of the lists (a graph of its own
+    on an H200's fresh start before decode_layout padded the one-row bucket, session 48)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cached graph brings its old guards
     monkeypatch.setattr(metadata, "PARTIAL_ONLY_ON_CPU", True)
     monkeypatch.setattr(metadata, "DECODE_PARTIAL_ROWS", 16)
     from flexengine.attention.backends.paged_mods import decode_lists
     from flexengine.compile import compile_count, compiled_on_first_use
-    from flexengine.compile.cuda_graphs import refresh_decode_positions
+    from flexengine.compile.cuda_graphs import decode_layout, own_layout_tensors, refresh_decode_positions
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     torch._dynamo.reset()
     # as the engine compiles them: a recompile limit that raises, no duck sizing
     lists, positions = compiled_on_first_use(decode_lists)(), compiled_on_first_use(refresh_decode_positions)()
@@ -288,36 +291,47 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
     for case in (CASE_LIST[0], CASE_LIST[2], CASE_LIST[-1], (per_request_prefix, None)):
         mask = masks.get_mask_mod(case[0])
         before = compile_count()
+        graphs = [len(_debug_get_cache_entry_list(fn.__code__)) for fn in (decode_lists, refresh_decode_positions)]
         kept = [[torch.zeros(32, NB, dtype=torch.int32) for _ in range(2)] for _ in range(2)]  # eager's, compiled's
         # as the decode graphs run them: lengths and tables of every row of the buffers (32), the bucket's leading
-        # rows read, the largest bucket first
-        for bs, splits in [(32, 1), (16, 2), (8, 4), (4, 8), (2, 16), (1, 32), (3, 5), (24, 1)]:
+        # rows read, the largest bucket first; then a step with prompt tokens and one decode row (its lists only)
+        for bs, splits in [(32, 1), (16, 2), (8, 4), (4, 8), (2, 16), (1, 32), (3, 5), (24, 1), (1, 1), (1, "mixed")]:
             seq_lens = [rng.randint(1, 200) for _ in range(32)]
             tables = torch.tensor([rng.sample(range(NB), 13) for _ in range(32)], dtype=torch.int32)
-            layout = plan_layout([1] * bs, seq_lens[:bs], decode_splits=splits, block_size=P)
-            metas = [build_metadata(tables, torch.tensor(seq_lens, dtype=torch.int32), torch.empty(0, dtype=torch.long),
-                                    layout, P, NB) for _ in range(2)]
+            if splits == "mixed":  # one decode row beside two prompt chunks
+                seq_lens[1:3] = 150, 90
+                layout = plan_layout([1, 40, 90], seq_lens[:3], block_size=P)
+            else:
+                layout = decode_layout(seq_lens[:bs], splits)
+            metas = [own_layout_tensors(build_metadata(tables, torch.tensor(seq_lens, dtype=torch.int32),
+                                                       torch.empty(0, dtype=torch.long), layout, P, NB))
+                     for _ in range(2)]  # (own tensors, as the decode graphs' and the prompt-step graphs' plans give)
             for m in metas:  # stale positions: the refresh must rewrite them
                 m.span_q_lo.fill_(-5), m.span_q_hi.fill_(-5), m.phys_to_logical.fill_(7)
-            refresh_decode_positions(metas[0])
-            positions(metas[1])
-            for name in ("phys_to_logical", "span_q_lo", "span_q_hi"):
-                assert torch.equal(getattr(metas[0], name), getattr(metas[1], name)), (case[0], bs, name)
+            if splits != "mixed":  # (a step with prompt tokens plans its positions on the host or in its plan)
+                refresh_decode_positions(metas[0])
+                positions(metas[1])
+                for name in ("phys_to_logical", "span_q_lo", "span_q_hi"):
+                    assert torch.equal(getattr(metas[0], name), getattr(metas[1], name)), (case[0], bs, name)
             values = [torch.tensor([rng.randint(0, 60) for _ in range(32)])] if case[1] is None else []
             want, got = decode_lists(metas[0], mask, values, *kept[0]), lists(metas[1], mask, values, *kept[1])
             for a, b in zip(want, got):
                 assert torch.equal(a, b), (case[0], bs, splits)
             kv_num, kv_idx, full_num, full_idx = page_lists(metas[0], mask, values)
             rows = len(kv_idx)  # (bs * splits at most: plan_layout may give a row fewer splits)
-            assert rows <= bs * splits
+            assert rows <= bs * (splits if splits != "mixed" else 1)
             read = [0, 1] if decode_full_lists(metas[0]) else [0]  # (no full list: kernel splits)
             for lists_RM, eager, compiled in [((kv_idx, full_idx)[i], kept[0][i], kept[1][i]) for i in read]:
                 assert torch.equal(eager[:rows, :13], lists_RM) and not eager[:rows, 13:].any(), (case[0], bs)
                 assert torch.equal(compiled[:rows], eager[:rows]), (case[0], bs, splits)
-        # a graph for one row (dynamo specialises size 1) and one for the rest, split rows or not (a graph each
-        # before metadata.keeps_full_lists); the positions' two come with the first mask. Sizes equal at the first
-        # trace (32 rows of 32) taken as one symbol made 8 of the first mask's (compile/policy.py: without_duck_sizing)
-        assert compile_count() - before <= (2 if case is not CASE_LIST[0] else 4), (case[0], compile_count() - before)
+        # the lists: a graph for one row (dynamo specialises size 1), the bucket's and the mixed step's, and one for
+        # the rest, split rows or not (a graph each before metadata.keeps_full_lists); the positions: one graph, with
+        # the first mask. Sizes equal at the first trace (32 rows of 32) taken as one symbol made 8 of the first mask's
+        # (compile/policy.py: without_duck_sizing)
+        added = [len(_debug_get_cache_entry_list(fn.__code__)) - n
+                 for fn, n in zip((decode_lists, refresh_decode_positions), graphs)]
+        assert added == [2, 1 if case is CASE_LIST[0] else 0], (case[0], added)
+        assert compile_count() - before == sum(added)
 
 
 @settings(max_examples=40, deadline=None)
