@@ -104,7 +104,7 @@ class DecodeBuffers:
 def take_inputs(inputs, fed_ids, input_ids, positions, seq_lens, block_tables, slot_mapping, block_size: int,
                 scratch_slot: int) -> None:
     """Inside the decode graph, before its metadata: the step's inputs from DecodeBuffers.inputs (its mode says how).
-    input_ids, positions, slot_mapping: the bucket's rows; seq_lens, block_tables: every row."""
+    input_ids, positions, slot_mapping: the bucket's rows (two at batch 1); seq_lens, block_tables: every row."""
     bs, max_bs, width = input_ids.shape[0], seq_lens.shape[0], block_tables.shape[1]
     header = 3 + 4 * max_bs
     mode, n = inputs[0], inputs[1]
@@ -262,10 +262,13 @@ class DecodeGraphRunner:
         if self.kept_lists is None:  # at the largest bucket's rows
             rows = max(n * splits for n, splits in self.splits.items())
             self.kept_lists = kept_page_lists(self.mods, {"decode": rows}, self.num_blocks, self.device)
+        # the inputs of two rows at batch 1: the second is padding, as a bucket's rows past n are (DecodeBuffers), and
+        # dynamo compiles no graph of its own for one row (session 48)
+        rows = min(max(bs, 2), b.max_bs)
         with decode_regions(bs <= COMBO_UP_TO):  # small batches: the buckets whose steps are launch-bound
             (_compiled_take_inputs() if b.inputs.is_cuda else take_inputs)(
-                b.inputs, b.fed_ids, b.input_ids[:bs], b.positions[:bs], b.seq_lens, b.block_tables,
-                b.slot_mapping[:bs], self.block_size, b.scratch_slot)
+                b.inputs, b.fed_ids, b.input_ids[:rows], b.positions[:rows], b.seq_lens, b.block_tables,
+                b.slot_mapping[:rows], self.block_size, b.scratch_slot)
             refresh_decode_metadata(meta, self.backend, self.mods, self.kept_lists)
             return self.forward_logits(b.input_ids[:bs], b.positions[:bs], meta)
 

@@ -333,6 +333,41 @@ def test_symbolic_decode_rows_and_prefill_tiles_compile_once_past_the_first_buck
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
+def test_decode_graph_helpers_compile_no_graph_of_their_own_for_one_row(gpu_shaped_engines, monkeypatch):
+    """The decode graphs' helpers as the CUDA engine compiles them (compile.compiled_on_first_use), here under dynamo's
+    eager backend, over buckets 16 to 1: take_inputs takes two rows at batch 1 and the one-row bucket's layout has a
+    padding span (cuda_graphs.decode_layout), so neither it nor the positions get a graph for one row (dynamo
+    specialises a size of 1: a graph more each on an H200's fresh start, session 48); the page lists keep theirs (one
+    row's lists are another program). Mixed traffic, whose batches shrink to one request, gives the eager engine's
+    tokens and compiles nothing after warm-up."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from flexengine.attention.backends import paged_mods
+    from flexengine.compile import cuda_graphs
+    helpers = [(cuda_graphs, "take_inputs", cuda_graphs._compiled_take_inputs),
+               (cuda_graphs, "refresh_decode_positions", cuda_graphs._compiled_positions),
+               (paged_mods, "decode_lists", paged_mods._compiled_decode_lists)]
+    plain = [getattr(module, name) for module, name, _ in helpers]
+    for module, name, compiled in helpers:
+        compiled.cache_clear()
+        monkeypatch.setattr(module, name, compiled())  # (the CPU's call sites take the plain function)
+    try:
+        prompts, params = mixed_traffic(n=12, temperature=0)
+        config = dict(max_num_seqs=16, max_num_batched_tokens=640, num_kv_blocks=96, max_model_len=128)
+        static = LLM(**config)
+        assert static.llm_engine.runner.decode_buckets[0] == 1
+        graphs = [len(_debug_get_cache_entry_list(fn.__code__)) for fn in plain]
+        assert graphs == [1, 1, 2], graphs
+        before = compile_count()
+        got = static.generate(prompts, params, use_tqdm=False)
+        assert compile_count() == before, "a shape compiled after warm-up"
+    finally:
+        for _, _, compiled in helpers:
+            compiled.cache_clear()
+    gpu_shaped_engines()
+    expected = LLM(**config, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logprobs_and_prompt_logprobs_compile_nothing_after_warm_up(gpu_shaped_engines, dtype):
     """The prompt-logprob scoring, in the model dtype (bfloat16 as on a GPU, and float32), is compiled by the
