@@ -2,10 +2,10 @@
 
 Inductor compiles a graph's Triton kernels in its worker processes, then, in this process, waits for each kernel in
 turn and builds its launcher (AsyncCompile._wait_futures). A kernel that torch's static launcher cannot start (every
-kernel with programmatic dependent launch, FLEXENGINE_PDL's default, and flex's templates) gets Triton's own launcher:
-a C module that the system's C compiler builds, ~0.3 s each, one after another. A fresh H200 start spent 11.3 s of its
-88.8 s waiting on those compiles (docs/benchmarks.md, session 48). Triton caches a launcher by its source, so a start
-that finds the caches builds none.
+kernel with a launch attribute: programmatic dependent launch, FLEXENGINE_PDL's default) gets Triton's own launcher, a
+C module that the system's C compiler builds, one kernel after another. A fresh H200 start spent 11.3 s of its 88.8 s
+waiting on those compiles (docs/benchmarks.md, session 48). Triton caches a launcher by its source, so a start that
+finds the caches builds none.
 """
 import functools
 import logging

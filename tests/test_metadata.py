@@ -306,9 +306,9 @@ def test_compiled_decode_lists_equal_eager_across_buckets(monkeypatch, tmp_path)
             metas = [own_layout_tensors(build_metadata(tables, torch.tensor(seq_lens, dtype=torch.int32),
                                                        torch.empty(0, dtype=torch.long), layout, P, NB))
                      for _ in range(2)]  # (own tensors, as the decode graphs' and the prompt-step graphs' plans give)
-            for m in metas:  # stale positions: the refresh must rewrite them
-                m.span_q_lo.fill_(-5), m.span_q_hi.fill_(-5), m.phys_to_logical.fill_(7)
             if splits != "mixed":  # (a step with prompt tokens plans its positions on the host or in its plan)
+                for m in metas:  # stale positions: the refresh must rewrite them
+                    m.span_q_lo.fill_(-5), m.span_q_hi.fill_(-5), m.phys_to_logical.fill_(7)
                 refresh_decode_positions(metas[0])
                 positions(metas[1])
                 for name in ("phys_to_logical", "span_q_lo", "span_q_hi"):
