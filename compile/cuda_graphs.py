@@ -264,11 +264,11 @@ class DecodeGraphRunner:
             self.kept_lists = kept_page_lists(self.mods, {"decode": rows}, self.num_blocks, self.device)
         # the inputs of two rows at batch 1: the second is padding, as a bucket's rows past n are (DecodeBuffers), and
         # dynamo compiles no graph of its own for one row (session 48)
-        rows = min(max(bs, 2), b.max_bs)
+        taken = min(max(bs, 2), b.max_bs)
         with decode_regions(bs <= COMBO_UP_TO):  # small batches: the buckets whose steps are launch-bound
             (_compiled_take_inputs() if b.inputs.is_cuda else take_inputs)(
-                b.inputs, b.fed_ids, b.input_ids[:rows], b.positions[:rows], b.seq_lens, b.block_tables,
-                b.slot_mapping[:rows], self.block_size, b.scratch_slot)
+                b.inputs, b.fed_ids, b.input_ids[:taken], b.positions[:taken], b.seq_lens, b.block_tables,
+                b.slot_mapping[:taken], self.block_size, b.scratch_slot)
             refresh_decode_metadata(meta, self.backend, self.mods, self.kept_lists)
             return self.forward_logits(b.input_ids[:bs], b.positions[:bs], meta)
 

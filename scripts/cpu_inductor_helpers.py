@@ -24,15 +24,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def main() -> int:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from conftest import gpu_shaped_engines
+    from harness import decode_graph_helpers
     from flexengine import LLM, SamplingParams
-    from flexengine.attention.backends import paged_mods
-    from flexengine.compile import cuda_graphs
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("helpers", nargs="?", default="take_inputs,refresh_decode_positions,decode_lists")
     args = p.parse_args()
-    helpers = {"take_inputs": (cuda_graphs, cuda_graphs._compiled_take_inputs),
-               "refresh_decode_positions": (cuda_graphs, cuda_graphs._compiled_positions),
-               "decode_lists": (paged_mods, paged_mods._compiled_decode_lists)}
+    helpers = decode_graph_helpers()
     env = pytest.MonkeyPatch()
     fixture = gpu_shaped_engines.__wrapped__(env)
     next(fixture)

@@ -124,3 +124,14 @@ def fa4_reason():
     if not torch.cuda.is_available():
         return "needs CUDA"
     return fa4_unsupported_reason(torch.device("cuda"), torch.bfloat16, 64)
+
+
+def decode_graph_helpers() -> dict:
+    """The helpers the CUDA engine's decode graphs compile (compile.compiled_on_first_use), by name: (module whose
+    plain function the CPU's call sites take, the compiled version's maker). tests/test_cuda_graphs.py and
+    scripts/cpu_inductor_helpers.py swap them in on the CPU."""
+    from flexengine.attention.backends import paged_mods
+    from flexengine.compile import cuda_graphs
+    return {"take_inputs": (cuda_graphs, cuda_graphs._compiled_take_inputs),
+            "refresh_decode_positions": (cuda_graphs, cuda_graphs._compiled_positions),
+            "decode_lists": (paged_mods, paged_mods._compiled_decode_lists)}

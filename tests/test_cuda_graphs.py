@@ -341,11 +341,8 @@ def test_decode_graph_helpers_compile_no_graph_of_their_own_for_one_row(gpu_shap
     row's lists are another program). Mixed traffic, whose batches shrink to one request, gives the eager engine's
     tokens and compiles nothing after warm-up."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from flexengine.attention.backends import paged_mods
-    from flexengine.compile import cuda_graphs
-    helpers = [(cuda_graphs, "take_inputs", cuda_graphs._compiled_take_inputs),
-               (cuda_graphs, "refresh_decode_positions", cuda_graphs._compiled_positions),
-               (paged_mods, "decode_lists", paged_mods._compiled_decode_lists)]
+    from harness import decode_graph_helpers
+    helpers = [(module, name, compiled) for name, (module, compiled) in decode_graph_helpers().items()]
     plain = [getattr(module, name) for module, name, _ in helpers]
     for module, name, compiled in helpers:
         compiled.cache_clear()
