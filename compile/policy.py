@@ -11,7 +11,6 @@ import torch
 import torch._dynamo
 
 from ..config import env_combo_kernels, env_pdl
-from .launchers import build_launchers_in_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +20,7 @@ RECOMPILE_LIMIT = 64
 
 
 def configure_dynamo(limit: int = RECOMPILE_LIMIT) -> None:
-    """Raise dynamo's recompile limit to at least `limit` and make hitting it an error; on CUDA, Triton's launchers
-    built side by side (launchers.py).
+    """Raise dynamo's recompile limit to at least `limit` and make hitting it an error.
 
     Past the limit dynamo would otherwise run FlexAttention eagerly, materialising every score
     (DESIGN.md: 84 ms instead of 0.27 ms), with only a log line to show for it.
@@ -35,8 +33,6 @@ def configure_dynamo(limit: int = RECOMPILE_LIMIT) -> None:
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * RECOMPILE_LIMIT)
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         cfg.fail_on_recompile_limit_hit = True
-    if torch.cuda.is_available():  # (Triton's launchers: a CUDA build's)
-        build_launchers_in_parallel()
 
 
 def allow_recompiles(expected: int) -> None:

@@ -145,8 +145,6 @@ def main() -> None:
     p.add_argument("--decode-symbolic", action="store_true",
                    help="unsplit decode rows as query heads as rows, compiled once for a symbolic row count "
                    "(flex_kernels.DECODE_DYNAMIC)")
-    p.add_argument("--serial-launchers", action="store_true",
-                   help="Triton's kernel launchers built one after another, as Inductor does (compile/launchers.py off)")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
@@ -160,9 +158,6 @@ def main() -> None:
         flex_kernels.PREFILL_DYNAMIC = False
     if known.decode_symbolic:
         flex_kernels.DECODE_DYNAMIC = True
-    if known.serial_launchers:
-        from flexengine.compile import launchers
-        launchers.LAUNCHER_THREADS = 0
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)
