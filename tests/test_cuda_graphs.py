@@ -821,3 +821,26 @@ def test_decode_graph_metadata_gives_the_page_lists_no_new_compile_beside_mixed_
         for meta in metas:
             lists(meta, masks.causal, [], *kept)
     assert compile_count() - before == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compile_workers_are_up_before_the_first_compile():
+    """start_compile_workers (the runner calls it before loading weights) brings Inductor's Triton workers up, so a
+    later first compile goes to them: in a fresh process, where nothing has started them, the readiness job is
+    submitted by the call and the pool answers ready soon after (a torch whose AsyncCompile changed fails here)."""
+    import subprocess
+    import sys
+    code = ("import time, torch\n"
+            "from torch._inductor.async_compile import AsyncCompile\n"
+            "from flexengine.compile import start_compile_workers\n"
+            "assert AsyncCompile._ready_future is None\n"
+            "start_compile_workers()\n"
+            "assert AsyncCompile._ready_future is not None\n"
+            "deadline = time.time() + 120\n"
+            "while not AsyncCompile.use_process_pool():\n"
+            "    assert time.time() < deadline, 'the compile workers did not come up in 120 s'\n"
+            "    time.sleep(0.1)\n"
+            "print('ready')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ready"), out.stderr[-2000:]
