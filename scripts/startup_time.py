@@ -145,6 +145,9 @@ def main() -> None:
     p.add_argument("--decode-symbolic", action="store_true",
                    help="unsplit decode rows as query heads as rows, compiled once for a symbolic row count "
                    "(flex_kernels.DECODE_DYNAMIC)")
+    p.add_argument("--late-compile-workers", action="store_true",
+                   help="Inductor's compile workers started at its first compile, as Inductor does (the engine starts "
+                   "them before loading the weights: compile.start_compile_workers)")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
@@ -158,6 +161,9 @@ def main() -> None:
         flex_kernels.PREFILL_DYNAMIC = False
     if known.decode_symbolic:
         flex_kernels.DECODE_DYNAMIC = True
+    if known.late_compile_workers:
+        from flexengine.engine import model_runner
+        model_runner.start_compile_workers = lambda: None
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)
