@@ -5,5 +5,4 @@ from .policy import (RECOMPILE_LIMIT, allow_recompiles, bucket, compile_count, c
 
 __all__ = ["RECOMPILE_LIMIT", "allow_recompiles", "bucket", "compile_count", "compiled_on_first_use", "configure_dynamo",
            "decode_buckets", "fused", "fused_elementwise", "pdl_options", "reset_fused", "set_fused_elementwise",
-           "start_compile_workers", "tile_bucket",
-           "wide_q_tiles", "without_duck_sizing"]
+           "start_compile_workers", "tile_bucket", "wide_q_tiles", "without_duck_sizing"]

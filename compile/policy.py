@@ -38,7 +38,7 @@ def configure_dynamo(limit: int = RECOMPILE_LIMIT) -> None:
 def start_compile_workers() -> None:
     """Start Inductor's pool of Triton compile workers now, before the weights load. Inductor starts it at its first
     compile, and until the workers have imported torch it compiles every kernel in the main process, one after
-    another: on a fresh H200 box the first kernels of the KV sizing step took 2.7-3.5 s there (session 49)."""
+    another: 8-9 kernels of the KV sizing step, 2.3-3.5 s of a fresh H200 start (docs/benchmarks.md, session 49)."""
     from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
     maybe_warm_pool()
     AsyncCompile.use_process_pool()  # submits the job whose completion says the workers are up
