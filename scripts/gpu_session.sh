@@ -148,7 +148,8 @@ for stage in "$@"; do
   case $stage in
     tests) carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1  # xgrammar for the JSON-mode tests, if carried
            step gpu_tests 520 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -m gpu -v \
-             -p no:randomly -rfs --tb=short ${TESTS:-tests} ;;  # TESTS="tests/a.py tests/b.py": those files only
+             -p no:randomly -rfs --tb=short --durations=15 ${TESTS:-tests} ;;  # TESTS="tests/a.py tests/b.py": those files
+           # only; the slowest tests listed (four files took 424 s of a 1,800 s device budget in session 49)
     tests_attention) step gpu_tests_attention 300 python3 -m pytest -m gpu -q -p no:randomly -rf --tb=short \
            tests/test_paged_attention.py tests/test_gym_mods.py tests/test_metadata.py tests/test_custom_attention.py \
            tests/test_cuda_graphs.py ;;  # the kernels' correctness only (the whole GPU suite: tests)
