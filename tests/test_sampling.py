@@ -307,6 +307,35 @@ def test_compiled_temperature_sample_equals_eager(monkeypatch, tmp_path):
     assert compile_count() - before <= 2
 
 
+def test_compiled_sampler_runs_one_row_on_the_graph_of_several(monkeypatch, tmp_path):
+    """The CUDA engine's sampler (compiled, here on the CPU) after Sampler.warm_up, which compiles graphs of several
+    rows only: one sampled row, one row with penalties, and a few rows with one penalised, draw the tokens the eager
+    sampler draws from the same seed, and compile nothing."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from flexengine.compile import compile_count, configure_dynamo, reset_fused
+    from flexengine.layers.sampler import LogitsAdjust
+    torch._dynamo.reset()
+    reset_fused()
+    configure_dynamo()
+    V = 512
+    Sampler(compiled=True).warm_up(V, "cpu")
+    before = compile_count()
+    g = torch.Generator().manual_seed(1)
+    for n, penalised in ((1, False), (1, True), (3, True), (1, False)):
+        with torch.inference_mode():  # as the engine makes its sampling tensors (else a graph of its own)
+            logits = torch.randn(n, V, generator=g) * 3
+            adjust = None
+            if penalised:
+                tokens = torch.randint(0, V, (1, 6), generator=g)
+                adjust = LogitsAdjust(None, None, torch.tensor([n - 1]), tokens, torch.ones(1, 6, dtype=torch.bool),
+                                      torch.tensor([1.5]), torch.tensor([0.4]), torch.tensor([0.3]))
+            t = SamplingTensors(temperature=torch.full((n,), 0.9), adjust=adjust)
+            ids = {compiled: Sampler(torch.Generator().manual_seed(7), compiled=compiled)(logits.clone(), t).token_ids
+                   for compiled in (True, False)}
+        assert ids[True].shape == (n,) and torch.equal(ids[True], ids[False]), (n, penalised)
+    assert compile_count() == before
+
+
 def masked_plainly(logits, bitmask, limit):
     """The token mask written out: row n keeps id j iff j < limit[n] and either j is past the bitmask's words or
     bit j % 32 of word j // 32 of row n is set."""
@@ -365,7 +394,7 @@ def test_compiled_token_mask_equals_eager_and_is_warmed_up(monkeypatch, tmp_path
     pytest.importorskip("xgrammar")  # warm_up compiles the masks only where JSON mode can run
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     from flexengine.compile import compile_count, configure_dynamo, fused_elementwise, reset_fused
-    from flexengine.layers.sampler import temperature_sample
+    from flexengine.layers.sampler import temperature_sample, two_rows
     torch._dynamo.reset()
     reset_fused()
     configure_dynamo()
@@ -381,9 +410,11 @@ def test_compiled_token_mask_equals_eager_and_is_warmed_up(monkeypatch, tmp_path
                                                   generator=g), T)
             want = Sampler(compiled=False).mask(logits.clone(), m)
             got = sampler.mask(logits.clone(), m)
-            temperature = torch.zeros(n)
+            args = (logits.clone(), torch.zeros(n), torch.ones(n, V), m.bitmask, m.limit)
+            if n == 1:  # as the sampler runs one row (on the graph of several)
+                args = two_rows(*args)
             with fused_elementwise(True):
-                greedy = temperature_sample(logits.clone(), temperature, torch.ones(n, V), (m.bitmask, m.limit))
+                greedy = temperature_sample(*args[:3], args[3:])[:n]
         assert torch.equal(got, want), n
         assert torch.equal(greedy, want.argmax(-1)), n
         assert torch.isinf(want[rows, T:]).all() and (want[rows] > float("-inf")).any()
@@ -393,12 +424,13 @@ def test_compiled_token_mask_equals_eager_and_is_warmed_up(monkeypatch, tmp_path
 
 
 def test_compiled_penalties_equal_eager_and_are_warmed_up(monkeypatch, tmp_path):
-    """The penalties as the CUDA engine applies them (apply_penalties through Inductor, here on the CPU) against
-    the eager code, which test_logits_processors checks against the plain formulas: one penalised row or several
-    among more rows, short and long histories with repeated tokens; Sampler.warm_up compiled every graph."""
+    """The penalties as the CUDA engine applies them (`penalise`: apply_penalties through Inductor, here on the CPU)
+    against the eager code, which test_logits_processors checks against the plain formulas: one penalised row or
+    several among more rows, a step of one row, short and long histories with repeated tokens; Sampler.warm_up
+    compiled the one graph they all share."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    from flexengine.compile import compile_count, configure_dynamo, fused_elementwise, reset_fused
-    from flexengine.layers.sampler import apply_penalties
+    from flexengine.compile import compile_count, configure_dynamo, reset_fused
+    from flexengine.layers.sampler import LogitsAdjust, apply_penalties, penalise
     torch._dynamo.reset()
     reset_fused()
     configure_dynamo()
@@ -406,7 +438,7 @@ def test_compiled_penalties_equal_eager_and_are_warmed_up(monkeypatch, tmp_path)
     Sampler(compiled=True).warm_up(V, "cpu")
     before = compile_count()
     g = torch.Generator().manual_seed(0)
-    for n, P, L in ((4, 1, 2), (6, 3, 300), (2, 2, 7), (9, 5, 64)):
+    for n, P, L in ((4, 1, 2), (6, 3, 300), (1, 1, 9), (2, 2, 7), (9, 5, 64), (2, 1, 3)):
         with torch.inference_mode():  # as the engine makes and samples them
             logits = torch.randn(n, V, generator=g) * 3
             rows = torch.randperm(n, generator=g)[:P]
@@ -415,9 +447,8 @@ def test_compiled_penalties_equal_eager_and_are_warmed_up(monkeypatch, tmp_path)
             coefficients = [torch.rand(P, generator=g) + 0.5, torch.rand(P, generator=g), torch.rand(P, generator=g) - 0.5]
             want = logits.clone()
             apply_penalties.eager(want, rows, tokens, is_output, *coefficients)
-            got = logits.clone()
-            with fused_elementwise(True):
-                apply_penalties(got, rows, tokens, is_output, *coefficients)
+            got = penalise(logits.clone(), LogitsAdjust(None, None, rows, tokens, is_output, *coefficients), True)
+        assert got.shape == (n, V)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert not torch.equal(want, logits)
     assert compile_count() == before

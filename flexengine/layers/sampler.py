@@ -50,8 +50,9 @@ class LogitsAdjust:
     presence: torch.Tensor | None = None     # float32 [P]
 
 
-def apply_adjust(logits: torch.Tensor, a: LogitsAdjust, in_place: bool = False) -> torch.Tensor:
-    """The adjusted logits; `in_place` writes them into `logits` (no [N, V] copy) where nothing reads the raw ones."""
+def apply_adjust(logits: torch.Tensor, a: LogitsAdjust, in_place: bool = False, compiled: bool = False) -> torch.Tensor:
+    """The adjusted logits; `in_place` writes them into `logits` (no [N, V] copy) where nothing reads the raw ones
+    (but for one compiled row: `penalise`). `compiled`: the penalties through Inductor."""
     if not in_place:
         logits = logits.clone()
     if a.banned is not None:
@@ -60,8 +61,34 @@ def apply_adjust(logits: torch.Tensor, a: LogitsAdjust, in_place: bool = False) 
         rows, ids, values = a.bias  # a row's ids are distinct (a dict's keys): no accumulate, whose CUDA kernel sorts
         logits[rows, ids] += values
     if a.rows is not None:
-        apply_penalties(logits, a.rows, a.tokens, a.is_output, a.repetition, a.frequency, a.presence)
+        logits = penalise(logits, a, compiled)
     return logits
+
+
+def penalise(logits: torch.Tensor, a: LogitsAdjust, compiled: bool) -> torch.Tensor:
+    """apply_penalties into `logits` (returned). Compiled, one penalised row gains a neutral second one (repetition 1,
+    frequency and presence 0: it writes back the logits it read) on another row, after a copy of the logits where
+    there is one row only, so that the graph of several rows serves it: dynamo would compile graphs of one row and
+    one penalised row at start-up (~1.1 s each on an H200, session 49)."""
+    rows, tokens, is_output, coefficients = a.rows, a.tokens, a.is_output, (a.repetition, a.frequency, a.presence)
+    n = logits.shape[0]
+    if compiled and len(rows) == 1:
+        if n == 1:
+            logits = logits.expand(2, -1).contiguous()
+        rows = torch.cat([rows, (rows + 1) % logits.shape[0]])
+        tokens, is_output = tokens.repeat(2, 1), is_output.repeat(2, 1)
+        rep, freq, pres = coefficients
+        coefficients = (torch.cat([rep, torch.ones_like(rep)]), torch.cat([freq, torch.zeros_like(freq)]),
+                        torch.cat([pres, torch.zeros_like(pres)]))
+    with fused_elementwise(compiled):
+        apply_penalties(logits, rows, tokens, is_output, *coefficients)
+    return logits[:n]
+
+
+def two_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One-row tensors with their row twice (copies: a stride of 0 would be a graph of its own), so that a compiled
+    function's graph of several rows serves one row: dynamo specialises a size of 1 (a graph compiled at start-up)."""
+    return tuple(t.expand(2, *t.shape[1:]).contiguous() for t in tensors)
 
 
 @fused(static_vocab=True)
@@ -240,33 +267,34 @@ class Sampler:
         self.compiled = compiled    # temperature_sample through Inductor (warm_up compiles it at start-up)
 
     def warm_up(self, vocab_size: int, device) -> None:
-        """Compile temperature_sample and the penalties for one row and for several (dynamo specialises a size of
-        1), and, where xgrammar is installed (JSON mode), temperature_sample's masked version and the token mask: a
-        first such request would otherwise wait for them."""
+        """Compile temperature_sample and the penalties, and, where xgrammar is installed (JSON mode),
+        temperature_sample's masked version and the token mask: a first such request would otherwise wait for them.
+        One graph each, of several rows: one row runs on it as two (`two_rows`, `penalise`)."""
         masks = self.compiled and importlib.util.find_spec("xgrammar") is not None
         with torch.inference_mode(), fused_elementwise(self.compiled):
-            for n in (1, 2):
-                logits, t = torch.zeros(n, vocab_size, device=device), torch.ones(n, device=device)
-                q = torch.ones(n, vocab_size, device=device)
-                temperature_sample(logits, t, q)
-                if masks:
-                    mask = TokenMask(torch.zeros(n, -(-vocab_size // 32), dtype=torch.int32, device=device),
-                                     torch.full((n,), NO_LIMIT, dtype=torch.int32, device=device))
-                    temperature_sample(logits, t, q, (mask.bitmask, mask.limit))
-                    self.mask(logits, mask)
-            # penalised rows P of a step of n, histories of 5: sizes that differ (dynamo would take equal ones
-            # for one), and each size 1 that dynamo specialises
-            for n, P in ((1, 1), (3, 1), (3, 2)):
-                tokens = torch.zeros(P, 5, dtype=torch.int64, device=device)
-                apply_penalties(torch.zeros(n, vocab_size, device=device), torch.arange(P, device=device), tokens,
-                                tokens > 0, *(torch.ones(P, device=device) for _ in range(3)))
+            n = 2  # (one row runs as two: two_rows)
+            logits, t = torch.zeros(n, vocab_size, device=device), torch.ones(n, device=device)
+            q = torch.ones(n, vocab_size, device=device)
+            temperature_sample(logits, t, q)
+            if masks:
+                mask = TokenMask(torch.zeros(n, -(-vocab_size // 32), dtype=torch.int32, device=device),
+                                 torch.full((n,), NO_LIMIT, dtype=torch.int32, device=device))
+                temperature_sample(logits, t, q, (mask.bitmask, mask.limit))
+                self.mask(logits, mask)
+            # penalised rows P = 2 of a step of 3, histories of 5: sizes that differ (dynamo would take equal ones
+            # for one); one row or one penalised row runs as two (penalise)
+            P, tokens = 2, torch.zeros(2, 5, dtype=torch.int64, device=device)
+            apply_penalties(torch.zeros(3, vocab_size, device=device), torch.arange(P, device=device), tokens,
+                            tokens > 0, *(torch.ones(P, device=device) for _ in range(3)))
 
     def mask(self, logits: torch.Tensor, m: TokenMask) -> torch.Tensor:
         """The disallowed tokens to -inf, in place: compiled on the CUDA engine, unpacked on a CPU."""
         if not self.compiled:
             return apply_token_mask(logits, m.bitmask, m.limit)
+        n = logits.shape[0]
+        args = two_rows(logits, m.bitmask, m.limit) if n == 1 else (logits, m.bitmask, m.limit)
         with fused_elementwise(True):
-            return mask_by_bitmask(logits, m.bitmask, m.limit)
+            return mask_by_bitmask(*args)[:n]
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits float32 [N, V] → one token per row."""
@@ -277,15 +305,17 @@ class Sampler:
             logits = self.mask(logits, t.token_mask)
         raw = logits  # logprobs are the model's own (vLLM's raw_logprobs), before the adjustments
         if t.adjust is not None:
-            with fused_elementwise(self.compiled):
-                logits = apply_adjust(logits, t.adjust, in_place=t.num_logprobs < 0)
+            logits = apply_adjust(logits, t.adjust, in_place=t.num_logprobs < 0, compiled=self.compiled)
         if t.all_greedy:
             ids = row_argmax(logits)
         elif plain_draw:
             q = exponential_noise(logits.shape, logits.device, t.generators, self.generator)
+            args = (logits, t.temperature, q) + ((t.token_mask.bitmask, t.token_mask.limit) if folded else ())
+            n = logits.shape[0]
+            if self.compiled and n == 1:
+                args = two_rows(*args)
             with fused_elementwise(self.compiled):
-                ids = temperature_sample(logits, t.temperature, q,
-                                         (t.token_mask.bitmask, t.token_mask.limit) if folded else None)
+                ids = temperature_sample(*args[:3], args[3:] or None)[:n]
         else:
             x = apply_temperature(logits, t.temperature)
             if t.min_p is not None:
