@@ -232,10 +232,12 @@ def mark_page_shape_static(cache: torch.Tensor) -> None:
 def compiled_on_first_use(fn):
     """→ a function returning fn compiled by `compile_region`, made once, on its first call (the device-side step
     helpers the CUDA engine runs through Inductor, whatever the `fused` setting: small integer work, combo kernels
-    unless FLEXENGINE_COMBO_KERNELS=0), traced without duck sizing."""
+    unless FLEXENGINE_COMBO_KERNELS=0), traced without duck sizing. One config per pointwise kernel: their kernels
+    are small (a step's rows and pages), and compiling every config was 27 of a fresh start's 157 Triton compiles
+    (session 48's call 2, on an H200)."""
     @functools.cache
     def compiled():
-        return without_duck_sizing(compile_region(fn, env_combo_kernels()))
+        return without_duck_sizing(compile_region(fn, env_combo_kernels(), autotune_pointwise=False))
     return compiled
 
 
