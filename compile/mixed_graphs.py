@@ -275,4 +275,4 @@ class MixedGraphRunner:
 
 # On CUDA the plan is one Inductor graph (a few kernels inside each mixed graph, not a launch per op); its shapes are
 # the capacity's, so every key shares it.
-_compiled_plan = compiled_on_first_use(plan_on_device)
+_compiled_plan = compiled_on_first_use(plan_on_device, pdl=False)  # (steps with prompt tokens only)

@@ -166,17 +166,18 @@ def _inductor_has_pdl() -> bool:
     return False
 
 
-def compile_region(fn, combo: bool, autotune_pointwise: bool = True):
+def compile_region(fn, combo: bool, autotune_pointwise: bool = True, pdl: bool = True):
     """torch.compile as the engine's regions use it: dynamic shapes, one graph; with `combo`, Inductor's combo
-    kernels; without `autotune_pointwise`, one config per pointwise kernel (see `fused`); FLEXENGINE_PDL's option."""
+    kernels; without `autotune_pointwise`, one config per pointwise kernel (see `fused`); with `pdl`,
+    FLEXENGINE_PDL's option (see `compiled_on_first_use`)."""
     configure_dynamo()
-    options = {"triton.autotune_pointwise": autotune_pointwise, **pdl_options()}
+    options = {"triton.autotune_pointwise": autotune_pointwise, **(pdl_options() if pdl else {})}
     if combo:
         options["combo_kernels"] = True
     return torch.compile(fn, dynamic=True, fullgraph=True, options=options)
 
 
-def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False):
+def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False, autotune: bool = True):
     """Mark a pure step (a norm, rotary, an activation, a layer's work beside attention) for Inductor.
 
     Compiled with dynamic shapes, so every layer and every batch size shares the code (a module passed
@@ -195,9 +196,11 @@ def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False)
     is compiled as a constant. A dynamic one makes every pointwise kernel over [rows, vocab] divide each element's
     index by it at run time, in 64-bit integers: the token mask's kernel took 395 µs at 256 rows of a 128k
     vocabulary on the H100 (session 21).
+
+    `autotune=False`: one config per pointwise kernel, for a step too small for the configs to differ.
     """
     if fn is None:
-        return functools.partial(fused, writes_kv_cache=writes_kv_cache, static_vocab=static_vocab)
+        return functools.partial(fused, writes_kv_cache=writes_kv_cache, static_vocab=static_vocab, autotune=autotune)
 
     names = list(inspect.signature(fn).parameters)
     caches = [(names.index(name), name) for name in ("k_cache", "v_cache")] if writes_kv_cache else []
@@ -212,7 +215,7 @@ def fused(fn=None, *, writes_kv_cache: bool = False, static_vocab: bool = False)
             mark_page_shape_static(args[i] if i < len(args) else kwargs[name])
         combo = _FUSE["combo"]
         if combo not in wrapper.compiled:
-            wrapper.compiled[combo] = compile_region(fn, combo, autotune_pointwise=not writes_kv_cache)
+            wrapper.compiled[combo] = compile_region(fn, combo, autotune_pointwise=autotune and not writes_kv_cache)
         return wrapper.compiled[combo](*args, **kwargs)
 
     wrapper.eager, wrapper.compiled = fn, {}
@@ -229,15 +232,19 @@ def mark_page_shape_static(cache: torch.Tensor) -> None:
         cache._flexengine_static_pages = True
 
 
-def compiled_on_first_use(fn):
+def compiled_on_first_use(fn, pdl: bool = True):
     """→ a function returning fn compiled by `compile_region`, made once, on its first call (the device-side step
     helpers the CUDA engine runs through Inductor, whatever the `fused` setting: small integer work, combo kernels
     unless FLEXENGINE_COMBO_KERNELS=0), traced without duck sizing. One config per pointwise kernel: their kernels
     are small (a step's rows and pages), and compiling every config was 27 of a fresh start's 157 Triton compiles
-    (session 48's call 2, on an H200)."""
+    (session 48's call 2, on an H200).
+
+    `pdl=False` for a helper of steps with prompt tokens only: a kernel with PDL's launch attribute takes no static
+    launcher, so Triton builds it a C launcher with gcc in the main thread (10-13 s of a fresh start, session 49-50),
+    for a gap of ~1 µs a kernel that steps of milliseconds do not feel."""
     @functools.cache
     def compiled():
-        return without_duck_sizing(compile_region(fn, env_combo_kernels(), autotune_pointwise=False))
+        return without_duck_sizing(compile_region(fn, env_combo_kernels(), autotune_pointwise=False, pdl=pdl))
     return compiled
 
 

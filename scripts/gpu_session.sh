@@ -12,8 +12,8 @@
 # (scripts/serve_bench.sh), profile (scripts/profile_step.py, with PROFILE_ARGS), startup (scripts/startup_time.py twice:
 # a first start with empty compile caches, then a second that reads them), startup_kernels (a fresh start with every
 # Triton kernel compiled in the main process, listed by compile seconds: what a fresh box waits for),
-# startup_ab (fresh starts, each with its own empty caches, of the commit archived in .base.tgz and of this tree, in
-# the order STARTUP_AB gives, default "base new"; carry [".base.tgz"]), prefill_symbolic
+# startup_ab (fresh starts on one box, each with its own empty caches, in the order STARTUP_AB gives, default "base
+# new": "new" is this tree, any other NAME the commit archived in .NAME.tgz, carried; `git archive REV | gzip`), prefill_symbolic
 # (scripts/prefill_dynamic_probe.py, PROBE_ARGS: the Triton prefill call per bucket against one compile for a symbolic
 # tile count, the default; that path's GPU tests; a fresh start with a compile per bucket), decode_symbolic (unsplit
 # decode rows with query heads as rows, compiled once for a symbolic row count: the probe's decode cases for the decode
@@ -205,11 +205,12 @@ for stage in "$@"; do
              step "startup_$run" 250 python3 scripts/startup_time.py --cache-dir /tmp/startup_caches --model "$MODEL_DIR" \
                --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-}; done ;;  # the first run fills the (empty) caches,
            # the second reads them; each prints where its time went (phases, CuTe's and Triton's compiles, FA4's keys)
-    startup_ab) model && [[ -f .base.tgz ]] || { echo "startup_ab: no .base.tgz (git archive REV | gzip > .base.tgz)"; continue; }
-           rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .base.tgz -C /tmp/base  # issue 24: fresh starts of the
-           for run in ${STARTUP_AB:-base new}; do  # base's package and this tree's on one box, each with empty caches
-             python3 -m pip install -q --no-deps --no-build-isolation -e "$([[ $run == base ]] && echo /tmp/base || echo .)" \
-               >>"$OUT/install.log" 2>&1
+    startup_ab) model && for run in ${STARTUP_AB:-base new}; do  # issue 24: fresh starts, each with empty caches,
+             if [[ $run == new ]]; then tree=.; else  # of this tree ("new") and of archived commits (.NAME.tgz), on one box
+               tree=/tmp/ab_$run && rm -rf "$tree" && mkdir -p "$tree" && tar -xzf ".$run.tgz" -C "$tree" \
+                 || { echo "startup_ab: no .$run.tgz (git archive REV | gzip > .$run.tgz)"; continue; }
+             fi
+             python3 -m pip install -q --no-deps --no-build-isolation -e "$tree" >>"$OUT/install.log" 2>&1
              step "startup_ab_$run" 250 python3 "$PWD/scripts/startup_time.py" --cache-dir "/tmp/ab_caches_${run}_$RANDOM" \
                --model "$MODEL_DIR" --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-}
            done

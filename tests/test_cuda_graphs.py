@@ -768,19 +768,29 @@ def test_combo_kernels_env_refuses_nonsense(monkeypatch):
 @pytest.mark.parametrize("mode", ["", "off", "on"])
 def test_pdl_env_asks_inductor_for_programmatic_launches(monkeypatch, mode):
     """FLEXENGINE_PDL on (or unset: the default) puts Inductor's triton.enable_pdl into every region's compile and
-    flex's; off leaves it out; anything else is refused, naming the variable."""
+    flex's, but for the helpers of steps with prompt tokens only (the mixed graphs' plan, the symbolic prefill
+    call: their kernels would each need a launcher built by gcc at start-up); off leaves it out everywhere; anything
+    else is refused, naming the variable."""
     from flexengine.attention.backends import flex_kernels
-    from flexengine.compile.policy import compile_region
+    from flexengine.compile import mixed_graphs
+    from flexengine.compile.policy import compile_region, compiled_on_first_use
     monkeypatch.setenv("FLEXENGINE_PDL", mode)
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw.get("options", {})) or fn)
-    flex_kernels.compiled_flex.cache_clear()
+    caches = (flex_kernels.compiled_flex, flex_kernels.compiled_symbolic, mixed_graphs._compiled_plan)
+    for cache in caches:
+        cache.cache_clear()
     try:
         compile_region(lambda x: x, combo=False)
         flex_kernels.compiled_flex()
+        compiled_on_first_use(lambda x: x)()
+        flex_kernels.compiled_symbolic(flex_kernels.flex_for_decode)
+        mixed_graphs._compiled_plan()
+        flex_kernels.compiled_symbolic(flex_kernels.flex_for_prefill)
     finally:
-        flex_kernels.compiled_flex.cache_clear()
-    assert [o.get("triton.enable_pdl", False) for o in seen] == [mode != "off"] * 2
+        for cache in caches:
+            cache.cache_clear()
+    assert [o.get("triton.enable_pdl", False) for o in seen] == [mode != "off"] * 4 + [False] * 2
     monkeypatch.setenv("FLEXENGINE_PDL", "yes")
     with pytest.raises(ValueError, match="FLEXENGINE_PDL must be one of on, off"):
         compile_region(lambda x: x, combo=False)

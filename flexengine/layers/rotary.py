@@ -70,9 +70,11 @@ class RotaryEmbedding(nn.Module):
         return cos_sin(positions, self.inv_freq, dtype)
 
 
-@fused
+@fused(autotune=False)
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # one kernel a step on the CUDA engine, not five (a decode step's every launch costs ~1 µs of gap)
+    # one kernel a step on the CUDA engine, not five (a decode step's every launch costs ~1 µs of gap). One config:
+    # the first region a fresh start compiles, often before Inductor's workers are up, and its four configs were
+    # compiled one after another in the main process (1.9-2.8 s, sessions 49-50)
     freqs = positions[:, None].float() * inv_freq[None, :]
     return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
