@@ -56,6 +56,9 @@ def time_compiles() -> None:
     import triton
     import triton.compiler.compiler as triton_compiler
     triton_compiler.compile = triton.compile = timed("triton.compile (main process)", triton_compiler.compile)
+    import triton.runtime.build as triton_build  # the C builds (gcc): Triton's kernel launchers, in any thread here
+    if hasattr(triton_build, "_build"):
+        triton_build._build = timed("C builds (Triton's launchers)", triton_build._build)
 
 
 class StackSampler(threading.Thread):
