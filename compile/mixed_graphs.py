@@ -20,7 +20,6 @@ the metadata of an 8,192-token step cost 3.4-4.3 ms of host time on the H100 and
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -138,7 +137,6 @@ class MixedGraphRunner:
         # decode rows' lists are written [rows, table width] into tables whose other columns stay zero, session 43)
         self.kept_lists: dict | None = None
         self.capture_seconds = 0.0
-        self.eager_first = 0  # keys whose capture needed a compile first (`capture`)
 
     def fits(self, key: MixedKey) -> bool:
         """Up to plan_tiles prefill tiles, with the graph's workspace (the runner pads a step to it when its
@@ -216,10 +214,7 @@ class MixedGraphRunner:
             self.graphs[key].replay()
             return self.hidden[key][:n]
         self.keep_lists()
-        if self.use_graphs and self.capture(key, first=True):
-            self.graphs[key].replay()  # (capture runs nothing)
-            return self.hidden[key][:n]
-        hidden = self.forward(key)  # (eagerly first: what compiles on first use does so outside the capture)
+        hidden = self.forward(key)
         if self.use_graphs:
             self.capture(key)
         return hidden[:n]
@@ -248,29 +243,16 @@ class MixedGraphRunner:
             rows = {"decode": self.capacity.decode_rows, "prefill": self.capacity.tiles}
             self.kept_lists = kept_page_lists(self.mods, rows, self.num_blocks, self.device)
 
-    def capture(self, key: MixedKey, first: bool = False) -> bool:
-        """Capture the key's graph; whether it was. `first`: with no eager run of the key before, under dynamo's
-        "fail_on_recompile" stance, which stops the capture at the first compile the step would need (a compile
-        inside a capture would launch its autotuning there); the caller then runs the key eagerly and captures
-        again. Most keys of the start-up's 130 compile nothing new, and their eager run was half of their capture's
-        time (6.9 s for all, from filled caches, session 49)."""
+    def capture(self, key: MixedKey) -> None:
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.compiler.set_stance("fail_on_recompile") if first else contextlib.nullcontext():
-                with graph_capture(graph, self.pool):
-                    self.hidden[key] = self.forward(key)
-        except RuntimeError as e:
-            if not (first and "fail_on_recompile" in str(e)):
-                raise
-            self.eager_first += 1  # (the graph holds what was recorded up to the compile: dropped)
-            return False
+        with graph_capture(graph, self.pool):
+            self.hidden[key] = self.forward(key)
         self.graphs[key] = graph
         seconds = time.perf_counter() - start
         self.capture_seconds += seconds
         logger.debug("captured a CUDA graph for %s in %.3f s (%d mixed graphs)", key, seconds, len(self.graphs))
-        return True
 
 
 # On CUDA the plan is one Inductor graph (a few kernels inside each mixed graph, not a launch per op); its shapes are
