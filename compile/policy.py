@@ -44,6 +44,39 @@ def start_compile_workers() -> None:
     AsyncCompile.use_process_pool()  # submits the job whose completion says the workers are up
 
 
+def unoptimised_launcher_builds() -> None:
+    """Have Triton build its C modules (each kernel signature's launcher) with -O0. Every Inductor kernel with PDL's
+    launch attribute takes a launcher of its own signature's, built by the C compiler in the main thread: 42-51 builds,
+    12.6-18.1 s of a fresh start on an H200 box (session 50). Of a build's 0.33 s (median, dev CPU) 0.13 s is reading
+    Python.h and cuda.h and most of the rest -O3's code generation (-O0: 0.20 s). The launcher is argument glue around
+    cuLaunchKernelEx, and CUDA graphs replay kernels without it. Triton appends a build's extra flags after its
+    own -O3, and the last -O counts. Left alone where the user set Triton's knobs.build.impl."""
+    import triton.runtime.build as build
+    from triton import knobs
+    if knobs.build.impl is not None or getattr(build._build, "unoptimised", False):
+        return
+    original = build._build
+
+    @functools.wraps(original)
+    def _build(*args, **kwargs):  # (name, src, srcdir, library_dirs, include_dirs, libraries, ccflags, ...)
+        if len(args) >= 7 and isinstance(args[6], list):
+            args = (*args[:6], [*args[6], "-O0"], *args[7:])
+        elif isinstance(kwargs.get("ccflags"), list):
+            kwargs["ccflags"] = [*kwargs["ccflags"], "-O0"]
+        else:
+            _report_unknown_build_call()
+        return original(*args, **kwargs)
+
+    _build.unoptimised = True
+    build._build = _build
+
+
+@functools.cache
+def _report_unknown_build_call() -> None:
+    logger.warning("Triton's C builds take their flags differently in triton %s: its launchers build with -O3 (slower "
+                   "fresh starts, same speed after)", __import__("triton").__version__)
+
+
 def allow_recompiles(expected: int) -> None:
     """Make room for an engine's `expected` compiled shapes of one function (flex: a graph per bucket
     and mask), plus RECOMPILE_LIMIT of slack; the limit stays an error past that."""

@@ -151,6 +151,9 @@ def main() -> None:
     p.add_argument("--late-compile-workers", action="store_true",
                    help="Inductor's compile workers started at its first compile, as Inductor does (the engine starts "
                    "them before loading the weights: compile.start_compile_workers)")
+    p.add_argument("--optimised-launchers", action="store_true",
+                   help="Triton's C launchers built with its own -O3 (the engine builds them with -O0: "
+                   "compile.unoptimised_launcher_builds)")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
@@ -164,9 +167,12 @@ def main() -> None:
         flex_kernels.PREFILL_DYNAMIC = False
     if known.decode_symbolic:
         flex_kernels.DECODE_DYNAMIC = True
-    if known.late_compile_workers:
+    if known.late_compile_workers or known.optimised_launchers:
         from flexengine.engine import model_runner
-        model_runner.start_compile_workers = lambda: None
+        if known.late_compile_workers:
+            model_runner.start_compile_workers = lambda: None
+        if known.optimised_launchers:
+            model_runner.unoptimised_launcher_builds = lambda: None
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)

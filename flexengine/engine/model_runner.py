@@ -28,7 +28,8 @@ from ..attention.metadata import AttentionMetadata, build_metadata
 from ..attention.layout import (Q_TILE, choose_decode_splits, segment_capacity, split_rows_or_programs,
                                 workspace_tokens)
 from ..attention.staging import to_device
-from ..compile import bucket, decode_buckets, fused_elementwise, start_compile_workers, tile_bucket, wide_q_tiles
+from ..compile import (bucket, decode_buckets, fused_elementwise, start_compile_workers, tile_bucket,
+                       unoptimised_launcher_builds, wide_q_tiles)
 from ..compile import mixed_graphs
 from ..compile.mixed_graphs import MixedKey, graph_workspace_pages
 from ..compile.warmup import max_prefill_tiles
@@ -94,6 +95,8 @@ class ModelRunner(DecodeGraphSteps):
             compile_cache_defaults()  # before anything compiles: a reboot must not empty the caches
         if wants_compile(self.device, config.enforce_eager):
             start_compile_workers()  # they start while the weights load
+            if self.device.type == "cuda":
+                unoptimised_launcher_builds()
         began = started = time.perf_counter()
         with building_for(self.tp):  # this rank's shard of every layer, read from its slices of the checkpoint
             self.model, self.hf_config, self.tokenizer = load_model(self.model_path, config.dtype, self.device)
