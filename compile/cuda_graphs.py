@@ -172,9 +172,10 @@ def refresh_decode_metadata(meta: AttentionMetadata, backend, mods, kept_lists: 
 def kept_page_lists(mods, rows: dict[str, int], num_blocks: int, device) -> dict:
     """Per mask of `mods`, zeroed pool-wide page-list tables [rows, num_blocks] int32 by name, each with its full
     list's (name + "_full"): paged_mods.build_block_masks' `out`, which a graph's lists are written into. Made
-    before any capture (in a capture they would be the graph's own memory, zeroed at each replay)."""
+    before any capture (in a capture they would be the graph's own memory, zeroed at each replay). A row more: the
+    decode lists list one more than they are read (paged_mods.decode_lists)."""
     with torch.inference_mode():  # (as the ordinary step's tensors: a dispatch-key difference is a recompile)
-        return {mask_mod: {name + full: torch.zeros(n, num_blocks, dtype=torch.int32, device=device)
+        return {mask_mod: {name + full: torch.zeros(n + 1, num_blocks, dtype=torch.int32, device=device)
                            for name, n in rows.items() for full in ("", "_full")}
                 for mask_mod in dict.fromkeys(m for m, _ in mods)}
 

@@ -307,19 +307,28 @@ def test_compiled_temperature_sample_equals_eager(monkeypatch, tmp_path):
     assert compile_count() - before <= 2
 
 
+def warmed_compiled_sampler(monkeypatch, tmp_path, V: int) -> tuple[Sampler, int]:
+    """A compiled sampler (the CUDA engine's, here through Inductor's C++ backend) after Sampler.warm_up over a
+    vocabulary of V, with dynamo reset and its own empty Inductor cache (a cached graph brings its old guards);
+    and dynamo's graph count then."""
+    from flexengine.compile import compile_count, configure_dynamo, reset_fused
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    reset_fused()
+    configure_dynamo()
+    sampler = Sampler(compiled=True)
+    sampler.warm_up(V, "cpu")
+    return sampler, compile_count()
+
+
 def test_compiled_sampler_runs_one_row_on_the_graph_of_several(monkeypatch, tmp_path):
     """The CUDA engine's sampler (compiled, here on the CPU) after Sampler.warm_up, which compiles graphs of several
     rows only: one sampled row, one row with penalties, and a few rows with one penalised, draw the tokens the eager
     sampler draws from the same seed, and compile nothing."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    from flexengine.compile import compile_count, configure_dynamo, reset_fused
+    from flexengine.compile import compile_count
     from flexengine.layers.sampler import LogitsAdjust
-    torch._dynamo.reset()
-    reset_fused()
-    configure_dynamo()
     V = 512
-    Sampler(compiled=True).warm_up(V, "cpu")
-    before = compile_count()
+    _, before = warmed_compiled_sampler(monkeypatch, tmp_path, V)
     g = torch.Generator().manual_seed(1)
     for n, penalised in ((1, False), (1, True), (3, True), (1, False)):
         with torch.inference_mode():  # as the engine makes its sampling tensors (else a graph of its own)
@@ -392,17 +401,11 @@ def test_compiled_token_mask_equals_eager_and_is_warmed_up(monkeypatch, tmp_path
     or several among one sampled row or several. Sampler.warm_up compiles every graph these need (a first JSON
     request would otherwise wait for a compile)."""
     pytest.importorskip("xgrammar")  # warm_up compiles the masks only where JSON mode can run
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    from flexengine.compile import compile_count, configure_dynamo, fused_elementwise, reset_fused
+    from flexengine.compile import compile_count, fused_elementwise
     from flexengine.layers.sampler import temperature_sample, two_rows
-    torch._dynamo.reset()
-    reset_fused()
-    configure_dynamo()
     g = torch.Generator().manual_seed(0)
     V, T = 32 * 4008 + 8, 32 * 4008 - 5  # logits padded past the tokenizer's ids
-    sampler = Sampler(compiled=True)
-    sampler.warm_up(V, "cpu")
-    before = compile_count()
+    sampler, before = warmed_compiled_sampler(monkeypatch, tmp_path, V)
     for n, rows in ((4, [0, 2, 3]), (1, [0]), (9, [1, 4, 5, 8]), (6, [5])):
         with torch.inference_mode():  # as the engine makes and samples them
             logits = torch.randn(n, V, generator=g)
@@ -428,15 +431,10 @@ def test_compiled_penalties_equal_eager_and_are_warmed_up(monkeypatch, tmp_path)
     against the eager code, which test_logits_processors checks against the plain formulas: one penalised row or
     several among more rows, a step of one row, short and long histories with repeated tokens; Sampler.warm_up
     compiled the one graph they all share."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    from flexengine.compile import compile_count, configure_dynamo, reset_fused
+    from flexengine.compile import compile_count
     from flexengine.layers.sampler import LogitsAdjust, apply_penalties, penalise
-    torch._dynamo.reset()
-    reset_fused()
-    configure_dynamo()
     V = 1000
-    Sampler(compiled=True).warm_up(V, "cpu")
-    before = compile_count()
+    _, before = warmed_compiled_sampler(monkeypatch, tmp_path, V)
     g = torch.Generator().manual_seed(0)
     for n, P, L in ((4, 1, 2), (6, 3, 300), (1, 1, 9), (2, 2, 7), (9, 5, 64), (2, 1, 3)):
         with torch.inference_mode():  # as the engine makes and samples them
@@ -459,19 +457,13 @@ def test_the_engines_sampling_inputs_compile_nothing_after_warm_up(monkeypatch, 
     (build_sampling_tensors, LogitsAdjuster) after Sampler.warm_up: plain, masked and penalised batches of one row
     and several compile nothing more (a strided temperature column once compiled the sampler again mid-run)."""
     pytest.importorskip("xgrammar")  # warm_up compiles the masked sampler only where JSON mode can run
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     import dataclasses
-    from flexengine.compile import compile_count, configure_dynamo, reset_fused
+    from flexengine.compile import compile_count
     from flexengine.engine.logits_adjust import LogitsAdjuster
     from flexengine.engine.sampling_inputs import build_sampling_tensors
     from flexengine.engine.sequence import Sequence
-    torch._dynamo.reset()
-    reset_fused()
-    configure_dynamo()
     V = 320
-    sampler = Sampler(compiled=True)
-    sampler.warm_up(V, "cpu")
-    before = compile_count()
+    sampler, before = warmed_compiled_sampler(monkeypatch, tmp_path, V)
     penalised = SamplingParams(temperature=0.8, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3,
                                logit_bias={3: 2.0})
     for n in (1, 5, 3):

@@ -129,9 +129,9 @@ def workspace_sources(block_tables: torch.Tensor, ws_req: torch.Tensor, ws_page:
     return torch.where(ws_page >= 0, phys, -1)
 
 
-def block_ranges(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor], rows: slice, B: int):
-    """For the query spans `rows`: the logical block ranges, in blocks of B tokens, that the mask reads:
-    partial blocks [lo, flo) ∪ [fhi, hi) and full blocks [flo, fhi).
+def block_ranges(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor], rows, B: int):
+    """For the query spans `rows` (a slice or an index): the logical block ranges, in blocks of B tokens, that the
+    mask reads: partial blocks [lo, flo) ∪ [fhi, hi) and full blocks [flo, fhi).
 
     They come from the mask's logical `kv_bounds` (any-true and all-true token ranges), clipped to the
     request's context; a mask without bounds visits all its blocks (up to the tile's last query when it
@@ -201,11 +201,14 @@ def partial_only_for_few_rows(meta: AttentionMetadata) -> bool:
     return DECODE_PARTIAL_ROWS > 0 and (meta.block_tables.is_cuda or PARTIAL_ONLY_ON_CPU)
 
 
-def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor]):
+def page_lists(meta: AttentionMetadata, mask_mod, param_values: list[torch.Tensor], extra_row: bool = False):
     """Per decode row: the partial and the full page lists for `mask_mod`, as flex kv_* tensors [rows, M],
-    logical pages mapped through the block table (so no page of another request can appear)."""
+    logical pages mapped through the block table (so no page of another request can appear). `extra_row`: one row
+    more, listed from the next span (or the last one again): valid page ids, which nothing reads."""
     S = meta.layout.decode_splits
     rows = slice(0, meta.layout.num_decode * S)
+    if extra_row:  # (an index, not a comparison of sizes: dynamo would guard on it)
+        rows = torch.arange(rows.stop + 1, device=meta.span_req.device).clamp(max=meta.span_req.shape[0] - 1)
     lo, flo, fhi, hi = block_ranges(meta, mask_mod, param_values, rows, meta.block_size)
     # decode row s of a request reads the s-th contiguous slice of its page range; unsplit rows (S = 1, their
     # span_split 0) the whole range: one formula, no branch on S for dynamo to guard

@@ -288,7 +288,8 @@ class Sampler:
                             tokens > 0, *(torch.ones(P, device=device) for _ in range(3)))
 
     def mask(self, logits: torch.Tensor, m: TokenMask) -> torch.Tensor:
-        """The disallowed tokens to -inf, in place: compiled on the CUDA engine, unpacked on a CPU."""
+        """The disallowed tokens to -inf, in place (a compiled row alone: in a copy, `two_rows`), returned: compiled on
+        the CUDA engine, unpacked on a CPU."""
         if not self.compiled:
             return apply_token_mask(logits, m.bitmask, m.limit)
         n = logits.shape[0]

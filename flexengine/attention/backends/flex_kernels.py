@@ -72,7 +72,7 @@ SYMBOLIC_ON_CPU = False  # (a test hook: with dynamo's eager backend, conftest's
 @functools.cache
 def compiled_symbolic(fn):
     """`fn` (flex_for_prefill or flex_for_decode) compiled with dynamo's automatic dynamic shapes."""
-    configure_dynamo()  # (PDL for the decode rows' kernels only: compile_region's `pdl`)
+    configure_dynamo()  # FLEXENGINE_PDL for the decode rows' call only, as compile_region's `pdl` says why
     options = pdl_options() if fn is flex_for_decode else {}
     return without_duck_sizing(torch.compile(fn, dynamic=None, fullgraph=True, options=options))
 

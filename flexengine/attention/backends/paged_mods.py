@@ -223,9 +223,10 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
     if Bd:
         M = meta.num_blocks
         kv_idx, full_idx = (out["decode"], out["decode_full"]) if out is not None else (
-            meta.block_tables.new_zeros(Bd, M), meta.block_tables.new_zeros(Bd, M))
+            meta.block_tables.new_zeros(Bd + 1, M), meta.block_tables.new_zeros(Bd + 1, M))
         lists = _compiled_decode_lists() if listed_only else decode_lists  # (listed_only: compiled, on CUDA)
         kv_num, full_num = lists(meta, mask_mod, values, kv_idx, full_idx)
+        kv_num, full_num = kv_num[:Bd], full_num[:Bd]  # (decode_lists lists a row more)
         # no full lists where page_lists made every page partial (kernel splits: flex's decode template splits a
         # full list by the pool's length, not the row's list)
         full = (None, None) if not decode_full_lists(meta) else (
@@ -274,8 +275,10 @@ def decode_lists(meta: AttentionMetadata, mask_mod, values: list[torch.Tensor], 
     were made with, and a step writes [rows, M] instead of widening to [rows, pool] (two pool-wide tables were
     2 x 4 MB a batch-32 step over a 31,289-page pool, 2 x 32 MB at 256 rows: session 43). A step without full lists
     (decode_full_lists) writes its empty ones all the same (no branch for dynamo to guard: a graph each side), and
-    its BlockMask does not read them."""
-    kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, values)
+    its BlockMask does not read them.
+    One row more than the step's decode rows (page_lists' extra_row), which the caller drops: dynamo specialises a
+    size of 1, and one decode row's lists were a graph of their own, ~2.5-4 s of a fresh start (sessions 49-50)."""
+    kv_num, kv_idx, full_num, full_idx = page_lists(meta, mask_mod, values, extra_row=True)
     (N, M), num_blocks = kv_idx.shape, kv_idx_out.shape[1]
     kv_idx_out[:N, : min(M, num_blocks)] = kv_idx[:, :num_blocks]
     full_idx_out[:N, : min(M, num_blocks)] = full_idx[:, :num_blocks]
