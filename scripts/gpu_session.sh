@@ -85,6 +85,9 @@ if compgen -G ".gpu_cache/compile_cache.tar.gz.*" >/dev/null; then
     || echo "compile caches in .gpu_cache did not unpack: compiling from scratch"
 fi
 
+# install_tree DIR: the package from DIR, editable (a base's archive, then this tree again), logged to install.log
+install_tree() { python3 -m pip install -q --no-deps --no-build-isolation -e "$1" >>"$OUT/install.log" 2>&1; }
+
 # step NAME CAP CMD...: CMD under min(CAP, budget left), output tee'd into $OUT/NAME.log
 step() {
   local name=$1 cap=$2; shift 2
@@ -192,11 +195,11 @@ for stage in "$@"; do
              --max-num-batched-tokens 2048 --workload plain,plain --cprofile "$OUT/host_mixed.pstats" ;;  # mixed graphs
     host_base) model && [[ -f .base.tgz ]] || { echo "host_base: no .base.tgz (git archive REV | gzip > .base.tgz)"; continue; }
            rm -rf /tmp/base && mkdir -p /tmp/base && tar -xzf .base.tgz -C /tmp/base  # host_mixed's run on the base
-           python3 -m pip install -q --no-deps --no-build-isolation -e /tmp/base >>"$OUT/install.log" 2>&1
+           install_tree /tmp/base
            # (this tree's script and timers, on the base's package; HOST_ARGS as the host stage's, e.g. a budget)
            step step_host_time_base "${HOST_CAP:-150}" python3 "$PWD/scripts/step_host_time.py" --model "$MODEL_DIR" \
              ${HOST_ARGS:---max-num-batched-tokens 2048}
-           python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 ;;
+           install_tree . ;;
     host_sampling) model && { carried_site /tmp/sampling_site >>"$OUT/install.log" 2>&1  # (xgrammar, as sampling's)
            # issue 20: is a JSON or penalised step bound by the host or the device? One engine, 256 x 256 x 64 each
            step step_host_sampling 300 env PYTHONPATH=/tmp/sampling_site${PYTHONPATH:+:$PYTHONPATH} python3 \
@@ -210,11 +213,11 @@ for stage in "$@"; do
                tree=/tmp/ab_$run && rm -rf "$tree" && mkdir -p "$tree" && tar -xzf ".$run.tgz" -C "$tree" \
                  || { echo "startup_ab: no .$run.tgz (git archive REV | gzip > .$run.tgz)"; continue; }
              fi
-             python3 -m pip install -q --no-deps --no-build-isolation -e "$tree" >>"$OUT/install.log" 2>&1
+             install_tree "$tree"
              step "startup_ab_$run" 250 python3 "$PWD/scripts/startup_time.py" --cache-dir "/tmp/ab_caches_${run}_$RANDOM" \
                --model "$MODEL_DIR" --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-}
            done
-           python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 ;;
+           install_tree . ;;
     startup_kernels) model && step startup_kernels 400 env TORCHINDUCTOR_COMPILE_THREADS=1 python3 scripts/startup_time.py \
              --model "$MODEL_DIR" --dtype bfloat16 --sample-stacks ${ENGINE_ARGS:-} ;;  # issue 24: a fresh start with every
            # Triton kernel compiled in the main process (serial: slower than a real start), listed by compile seconds

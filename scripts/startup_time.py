@@ -167,12 +167,11 @@ def main() -> None:
         flex_kernels.PREFILL_DYNAMIC = False
     if known.decode_symbolic:
         flex_kernels.DECODE_DYNAMIC = True
-    if known.late_compile_workers or known.optimised_launchers:
-        from flexengine.engine import model_runner
-        if known.late_compile_workers:
-            model_runner.start_compile_workers = lambda: None
-        if known.optimised_launchers:
-            model_runner.unoptimised_launcher_builds = lambda: None
+    from flexengine.engine import model_runner
+    if known.late_compile_workers:
+        model_runner.start_compile_workers = lambda: None
+    if known.optimised_launchers:
+        model_runner.unoptimised_launcher_builds = lambda: None
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)

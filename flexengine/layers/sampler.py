@@ -74,7 +74,7 @@ def penalise(logits: torch.Tensor, a: LogitsAdjust, compiled: bool) -> torch.Ten
     n = logits.shape[0]
     if compiled and len(rows) == 1:
         if n == 1:
-            logits = logits.expand(2, -1).contiguous()
+            logits, = two_rows(logits)
         rows = torch.cat([rows, (rows + 1) % logits.shape[0]])
         tokens, is_output = tokens.repeat(2, 1), is_output.repeat(2, 1)
         rep, freq, pres = coefficients
@@ -216,7 +216,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, comp
     dtype, warmed up by compile/warmup.warm_up_sampling; a sampled token's logprobs are few rows, eager)."""
     n = logits.shape[0]
     if compiled and n == 1:  # one compiled graph for every row count: dynamo would specialise a size-1 one
-        logits, token_ids = logits.expand(2, -1).contiguous(), token_ids.expand(2).contiguous()
+        logits, token_ids = two_rows(logits, token_ids)
     with fused_elementwise(compiled):
         chosen, rank, lse, best, best_id = token_logprobs(logits, token_ids)
     chosen, rank, lse, logits = chosen[:n], rank[:n], lse[:n], logits[:n]
