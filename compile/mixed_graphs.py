@@ -10,7 +10,7 @@ scratch slot. The host sends only each request's query and sequence lengths, the
 the layout, positions and slots (attention/device_plan.py), the page lists and the BlockMasks are built on
 the device inside the graph, as in the decode graphs.
 The engine captures every key at start-up (compile/warmup.capture_mixed_graphs); a key met later
-anyway is captured then, and that step replays it.
+anyway is captured then (that step runs the same code eagerly and uses its result).
 
 Steps with more than `max_tiles` prefill tiles (up to the largest bucket, `plan_tiles`) run their model without a
 graph (its launches are spread over thousands of tokens, and a whole graph per key would cost start-up seconds and
@@ -137,7 +137,6 @@ class MixedGraphRunner:
         # decode rows' lists are written [rows, table width] into tables whose other columns stay zero, session 43)
         self.kept_lists: dict | None = None
         self.capture_seconds = 0.0
-        self.eager_first = 0  # keys whose capture needed a compile first (`captured`)
 
     def fits(self, key: MixedKey) -> bool:
         """Up to plan_tiles prefill tiles, with the graph's workspace (the runner pads a step to it when its
@@ -215,10 +214,10 @@ class MixedGraphRunner:
             self.graphs[key].replay()
             return self.hidden[key][:n]
         self.keep_lists()
-        if not self.use_graphs:
-            return self.forward(key)[:n]
-        self.graphs[key], self.hidden[key] = self.captured(lambda: self.forward(key))
-        return self.hidden[key][:n]
+        hidden = self.forward(key)
+        if self.use_graphs:
+            self.capture(key)
+        return hidden[:n]
 
     def planned_step(self, key: MixedKey):
         """plan(key) from the key's graph (captured the first time), or eagerly without graphs."""
@@ -226,9 +225,16 @@ class MixedGraphRunner:
             self.plan_graphs[key].replay()
             return self.planned[key]
         self.keep_lists()
+        planned = self.plan(key)  # (eagerly first: what compiles on first use does so outside the capture)
         if not self.use_graphs:
-            return self.plan(key)
-        self.plan_graphs[key], self.planned[key] = self.captured(lambda: self.plan(key))
+            return planned
+        start = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(graph, self.pool):
+            self.planned[key] = self.plan(key)
+        self.plan_graphs[key] = graph
+        self.capture_seconds += time.perf_counter() - start
+        graph.replay()  # (capture runs nothing)
         return self.planned[key]
 
     def keep_lists(self) -> None:
@@ -237,29 +243,16 @@ class MixedGraphRunner:
             rows = {"decode": self.capacity.decode_rows, "prefill": self.capacity.tiles}
             self.kept_lists = kept_page_lists(self.mods, rows, self.num_blocks, self.device)
 
-    def captured(self, fn) -> tuple[torch.cuda.CUDAGraph, object]:
-        """(fn's graph in the shared pool, replayed once; fn's outputs in it). Captured at once under dynamo's
-        "fail_on_recompile" stance, which stops the capture at the first compile fn would need (a compile inside a
-        capture would launch its autotuning there); then fn runs eagerly (its compiles happen) and is captured again.
-        Most of the start-up's 130 keys compile nothing new, and an eager run was half of a key's capture time (6.9 s
-        for all, from filled caches, session 49; the mixed phase of a fresh start 9.3 s without it, 10.7 s with it,
-        session 51's call 2, one box)."""
+    def capture(self, key: MixedKey) -> None:
         start = time.perf_counter()
-        for stance in ("fail_on_recompile", "default"):
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.compiler.set_stance(stance), graph_capture(graph, self.pool):
-                    out = fn()
-                break
-            except RuntimeError as e:
-                if stance != "fail_on_recompile" or "fail_on_recompile" not in str(e):
-                    raise
-                self.eager_first += 1  # (what the graph recorded up to the compile is dropped with it)
-                fn()
-        self.capture_seconds += time.perf_counter() - start
-        graph.replay()  # (capture runs nothing)
-        return graph, out
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(graph, self.pool):
+            self.hidden[key] = self.forward(key)
+        self.graphs[key] = graph
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
+        logger.debug("captured a CUDA graph for %s in %.3f s (%d mixed graphs)", key, seconds, len(self.graphs))
 
 
 # On CUDA the plan is one Inductor graph (a few kernels inside each mixed graph, not a launch per op); its shapes are

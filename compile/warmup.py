@@ -38,8 +38,8 @@ def compile_steps(runner) -> None:
     if runner.mixed_graphs.use_graphs:
         started = time.perf_counter()
         count = capture_mixed_graphs(runner)
-        logger.info("captured %d CUDA graphs for steps with prompt tokens in %.1f s (%d run eagerly first: they "
-                    "compiled)", count, time.perf_counter() - started, runner.mixed_graphs.eager_first)
+        logger.info("captured %d CUDA graphs for steps with prompt tokens in %.1f s", count,
+                    time.perf_counter() - started)
 
 
 def progress(runner, items, desc: str):
