@@ -154,6 +154,9 @@ def main() -> None:
     p.add_argument("--optimised-launchers", action="store_true",
                    help="Triton's C launchers built with its own -O3 (the engine builds them with -O0: "
                    "compile.unoptimised_launcher_builds)")
+    p.add_argument("--down-split-rows", type=int, default=None, metavar="N",
+                   help="layers/linear.DOWN_SPLIT_ROWS (the down projection's float32 partial sums up to N rows; 0: "
+                   "off, and the layer regions compile no graph either side of the row count)")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
@@ -172,6 +175,9 @@ def main() -> None:
         model_runner.start_compile_workers = lambda: None
     if known.optimised_launchers:
         model_runner.unoptimised_launcher_builds = lambda: None
+    if known.down_split_rows is not None:
+        from flexengine.layers import linear
+        linear.DOWN_SPLIT_ROWS = known.down_split_rows
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)
