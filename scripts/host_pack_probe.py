@@ -10,7 +10,10 @@ to this tree's modules); running the script on both trees one after the other mo
 CPU. Rows (best of `--repeat` rounds of 300 calls, the rows interleaved round by round, µs):
 - pack_lengths of a mixed step: `--chunks` prompt chunks of `--chunk-len` tokens, the other requests decoding;
 - feed of that step (every decode row waits on the step in flight), given the rows as pack_lengths found them;
-- DecodeTracker.next_step of a decode batch one token on: the same batch, and the batch less one request (gathered).
+- DecodeTracker.next_step of a decode batch one token on: the same batch, and the batch less one request (gathered);
+- the same step packed from per-row arrays (`pack_from_rows`: each BlockTables row's computed and known token counts
+  and last token, as vLLM's persistent batch keeps them), given the batch's rows: what pack_lengths could cost if the
+  engine kept those arrays up to date as tokens arrive (it does not; checked equal to pack_lengths here).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from flexengine.engine.decode_inputs import DecodeTracker
 from flexengine.engine.in_flight import InFlightStep
 from flexengine.engine.scheduler import ScheduledBatch
 from flexengine.engine.sequence import Sequence
-from flexengine.engine.step_inputs import pack_lengths
+from flexengine.engine.step_inputs import chunk_ids, pack_lengths
 
 PAGE = 128
 
@@ -60,6 +63,35 @@ def base_pack_lengths(tree: str):
     module = sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.pack_lengths
+
+
+def per_row_arrays(seqs, rows: int) -> dict[str, np.ndarray]:
+    """Each BlockTables row's computed tokens, known tokens and last token (what a persistent batch would keep)."""
+    arrays = {name: np.zeros(rows, dtype=np.int64) for name in ("computed", "tokens", "last")}
+    for s in seqs:
+        arrays["computed"][s.table_row], arrays["tokens"][s.table_row] = s.num_computed_tokens, s.num_tokens
+        arrays["last"][s.table_row] = s.token_ids[-1]
+    return arrays
+
+
+def pack_from_rows(batch, index: np.ndarray, arrays: dict, min_rows: int):
+    """pack_lengths' fields (ids, query lengths, tables, sequence lengths, sample rows and sequences) from per-row
+    arrays, given each sequence's BlockTables row (`index`): no walk over the sequences but the chunks'."""
+    starts = arrays["computed"][index]
+    query_lens = np.array(batch.num_new_tokens, dtype=np.int64)
+    seq_lens, ends = starts + query_lens, np.cumsum(query_lens)
+    ids = np.empty(int(ends[-1]), dtype=np.int64)
+    ids[ends - 1] = arrays["last"][index]  # a decode row's token (a chunk's is overwritten with its slice below)
+    chunks = np.flatnonzero(query_lens > 1)
+    if len(chunks):
+        ids[np.repeat(query_lens > 1, query_lens)] = np.concatenate(
+            [chunk_ids(batch.seqs[i], int(starts[i]), int(seq_lens[i])) for i in chunks.tolist()])
+    tables = batch.block_tables.gather(index, min_rows)
+    padded_lens = np.zeros(max(len(index), min_rows), dtype=np.int32)
+    padded_lens[:len(index)] = seq_lens
+    done = np.flatnonzero(seq_lens == arrays["tokens"][index])
+    sample_seqs = list(batch.seqs) if len(done) == len(index) else list(map(batch.seqs.__getitem__, done.tolist()))
+    return ids, query_lens, tables, padded_lens, ends[done] - 1, sample_seqs
 
 
 def best_interleaved(rows, repeat: int, number: int = 300) -> dict[str, float]:
@@ -105,6 +137,14 @@ def main() -> None:
             ("feed (rows from pack_lengths)", lambda: prev.feed(seqs, packed.last_rows, "cpu", packed.table_rows)),
             ("DecodeTracker: record, then the same batch one on", lambda: tracked(decoding)),
             ("DecodeTracker: record, then one request fewer (gathered)", lambda: tracked(decoding[1:]))]
+    index = packed.table_rows
+    arrays = per_row_arrays(seqs, len(tables.lens))
+    for got, want in zip(pack_from_rows(batch, index, arrays, args.requests),
+                         (packed.ids, packed.query_lens, packed.tables, packed.seq_lens, packed.sample_rows,
+                          packed.sample_seqs)):
+        assert (got == want) if isinstance(got, list) else np.array_equal(got, want)
+    rows.append(("pack from per-row arrays, given the rows (a persistent batch)",
+                 lambda: pack_from_rows(batch, index, arrays, args.requests)))
     if args.base:
         base = base_pack_lengths(args.base)
         np.testing.assert_array_equal(base(batch, args.requests).ids, packed.ids)

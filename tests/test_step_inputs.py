@@ -85,10 +85,11 @@ def test_pack_decode_from_the_rows_equals_the_lists(reqs, columns, data):
 
 
 def test_host_pack_probe_runs():
-    """scripts/host_pack_probe.py (the dev-CPU A/B of these host functions): its four rows, on a small batch."""
+    """scripts/host_pack_probe.py (the dev-CPU A/B of these host functions): its five rows, on a small batch (the
+    per-row-array packing checked equal to pack_lengths there)."""
     import subprocess
     import sys
     run = subprocess.run([sys.executable, "scripts/host_pack_probe.py", "--requests", "12", "--chunks", "2",
                           "--chunk-len", "40", "--repeat", "1"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert len([line for line in run.stdout.splitlines() if line.startswith("| ") and "µs |" not in line]) == 4
+    assert len([line for line in run.stdout.splitlines() if line.startswith("| ") and "µs |" not in line]) == 5
