@@ -157,6 +157,8 @@ def main() -> None:
     p.add_argument("--down-split-rows", type=int, default=None, metavar="N",
                    help="layers/linear.DOWN_SPLIT_ROWS (the down projection's float32 partial sums up to N rows; 0: "
                    "off, and the layer regions compile no graph either side of the row count)")
+    p.add_argument("--zero-first-deltas", action="store_true",
+                   help="models/decoder.ZERO_FIRST_DELTAS: the first layer on the later layers' graphs")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
@@ -178,6 +180,9 @@ def main() -> None:
     if known.down_split_rows is not None:
         from flexengine.layers import linear
         linear.DOWN_SPLIT_ROWS = known.down_split_rows
+    if known.zero_first_deltas:
+        from flexengine.models import decoder
+        decoder.ZERO_FIRST_DELTAS = True
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)

@@ -365,6 +365,32 @@ def test_decode_graph_helpers_compile_no_graph_of_their_own_for_one_row(gpu_shap
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
+def test_zero_first_deltas_put_the_first_layer_on_the_later_layers_graphs(gpu_shaped_engines, monkeypatch):
+    """models/decoder.ZERO_FIRST_DELTAS: the first layer's zero additions run it on the later layers' graphs of
+    attention_inputs: 3 (plain rows, the down projection's split rows, whose row test is made device-blind here so
+    that the CPU takes them, and the batch-1 combo compile) where None made 5, and the tokens are exactly those of
+    the None path (x + 0 + 0 is x), in bfloat16 over mixed traffic."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from flexengine.attention.backends import flex_kernels
+    from flexengine.compile import reset_fused
+    from flexengine.layers import linear
+    from flexengine.models import decoder
+    monkeypatch.setattr(decoder, "takes_down_split", lambda x: 1 < x.shape[0] <= linear.DOWN_SPLIT_ROWS)
+    prompts, params = mixed_traffic(n=12, temperature=0)
+    config = dict(max_num_seqs=64, max_num_batched_tokens=640, num_kv_blocks=200, max_model_len=128, dtype="bfloat16")
+    graphs, tokens = {}, {}
+    for zero in (False, True):
+        monkeypatch.setattr(decoder, "ZERO_FIRST_DELTAS", zero)
+        torch._dynamo.reset()
+        reset_fused()
+        flex_kernels.clear_compiled()
+        out = LLM(**config).generate(prompts, params, use_tqdm=False)
+        tokens[zero] = [o.outputs[0].token_ids for o in out]
+        graphs[zero] = len(_debug_get_cache_entry_list(decoder.DecoderLayer.attention_inputs.eager.__code__))
+    assert graphs == {False: 5, True: 3}, graphs
+    assert tokens[True] == tokens[False]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logprobs_and_prompt_logprobs_compile_nothing_after_warm_up(gpu_shaped_engines, dtype):
     """The prompt-logprob scoring, in the model dtype (bfloat16 as on a GPU, and float32), is compiled by the

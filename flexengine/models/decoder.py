@@ -231,6 +231,12 @@ def make_attention_layers(spec: DecoderSpec) -> list[Attention]:
     return layers
 
 
+# Whether the first layer takes zero additions (first_deltas) instead of None: it then runs on the later layers'
+# compiled graphs, where None made attention_inputs two graphs of its own (combo and plain: ~2 s of a fresh start, issue
+# 24), for two memsets a step. Off until a GPU times both (docs/benchmarks.md, session 51).
+ZERO_FIRST_DELTAS = False
+
+
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec):
         super().__init__()
@@ -261,11 +267,17 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
-        deltas = (None, None)
+        deltas = self.first_deltas(x) if ZERO_FIRST_DELTAS else (None, None)
         for layer in self.layers:
             cos, sin = rope[self.rope_key[layer.layer_type]]
             x, deltas = layer(x, deltas, cos, sin, meta)
         return self.final_norm(x, *deltas)
+
+    def first_deltas(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero additions for the first layer, in x's shape and dtype: the later layers' graph for such additions
+        serves every row count past one (the down projection's split partial sums are a graph of their own, which
+        the first layer need not share), and the batch-1 one (two tensors: one passed twice would alias)."""
+        return torch.zeros_like(x), torch.zeros_like(x)
 
     @fused
     def final_norm(self, x, attn_delta, mlp_delta):
