@@ -98,10 +98,8 @@ def persistent_reductions_up_to(n: int) -> None:
         V.set_choices_handler(PersistentUpTo())
 
 
-def main() -> int:
-    split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
-    options, engine = parse(",".join(sys.argv[1:split]))
-    what, *args = sys.argv[split + 1:] or ["latency"]
+def apply(options: dict | None, engine: dict) -> None:
+    """Set parse's flex decode options and engine knobs in their modules (scripts/startup_time.py --knobs too)."""
     from flexengine.attention import layout, metadata
     from flexengine.attention.backends import flex_kernels
     from flexengine.compile import cuda_graphs
@@ -131,6 +129,17 @@ def main() -> int:
     if "blas" in engine:
         import torch
         torch.backends.cuda.preferred_blas_library(engine["blas"])
+
+
+def main() -> int:
+    split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+    options, engine = parse(",".join(sys.argv[1:split]))
+    what, *args = sys.argv[split + 1:] or ["latency"]
+    apply(options, engine)
+    from flexengine.attention import layout, metadata
+    from flexengine.attention.backends import flex_kernels
+    from flexengine.compile import cuda_graphs
+    from flexengine.layers import gemv, linear, rotary, sampler
     print(f"# flex decode kernel options: {'the engine default' if options is None else options or 'flex default'}; "
           f"combo kernels up to batch {cuda_graphs.COMBO_UP_TO}; {layout.DECODE_PROGRAMS_PER_SM} split-KV programs per "
           f"SM; few-rows GEMV up to {gemv.FEW_ROWS} rows; rotary + K/V store kernel {rotary.ROTARY_STORE}; gate/up + "

@@ -14,7 +14,8 @@
 # Triton kernel compiled in the main process, listed by compile seconds: what a fresh box waits for),
 # startup_ab (fresh starts on one box, each with its own empty caches, in the order STARTUP_AB gives, default "base
 # new": "new" is this tree, any other NAME the commit archived in .NAME.tgz, carried; `git archive REV | gzip`; an entry
-# NAME:--flag=value,--flag passes startup_time.py those switches for that start, e.g. "new new:--down-split-rows=0"), prefill_symbolic
+# NAME:--flag=value,--flag passes startup_time.py those switches for that start, e.g.
+# "new new:--knobs=zero_first_deltas=1,down_split_rows=0"), prefill_symbolic
 # (scripts/prefill_dynamic_probe.py, PROBE_ARGS: the Triton prefill call per bucket against one compile for a symbolic
 # tile count, the default; that path's GPU tests; a fresh start with a compile per bucket), decode_symbolic (unsplit
 # decode rows with query heads as rows, compiled once for a symbolic row count: the probe's decode cases for the decode
@@ -211,7 +212,7 @@ for stage in "$@"; do
            # the second reads them; each prints where its time went (phases, CuTe's and Triton's compiles, FA4's keys)
     startup_ab) model && for entry in ${STARTUP_AB:-base new}; do  # issue 24: fresh starts, each with empty caches,
              run=${entry%%:*} flags=  # NAME:--flag=value,--flag: startup_time.py's own switches for that start
-             [[ $entry == *:* ]] && flags=${entry#*:} && flags=${flags//,/ }
+             [[ $entry == *:* ]] && flags=${entry#*:} && flags=${flags//,--/ --}  # (a value keeps its commas)
              if [[ $run == new ]]; then tree=.; else  # of this tree ("new") and of archived commits (.NAME.tgz), on one box
                tree=/tmp/ab_$run && rm -rf "$tree" && mkdir -p "$tree" && tar -xzf ".$run.tgz" -C "$tree" \
                  || { echo "startup_ab: no .$run.tgz (git archive REV | gzip > .$run.tgz)"; continue; }

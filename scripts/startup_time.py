@@ -154,11 +154,9 @@ def main() -> None:
     p.add_argument("--optimised-launchers", action="store_true",
                    help="Triton's C launchers built with its own -O3 (the engine builds them with -O0: "
                    "compile.unoptimised_launcher_builds)")
-    p.add_argument("--down-split-rows", type=int, default=None, metavar="N",
-                   help="layers/linear.DOWN_SPLIT_ROWS (the down projection's float32 partial sums up to N rows; 0: "
-                   "off, and the layer regions compile no graph either side of the row count)")
-    p.add_argument("--zero-first-deltas", action="store_true",
-                   help="models/decoder.ZERO_FIRST_DELTAS: the first layer on the later layers' graphs")
+    p.add_argument("--knobs", default="", metavar="KEY=INT,...",
+                   help="engine knobs as scripts/decode_step_probe.py takes them, e.g. down_split_rows=0 (no graph "
+                   "either side of the row count) or zero_first_deltas=1 (the first layer on the later layers' graphs)")
     known, rest = p.parse_known_args()
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
@@ -177,12 +175,9 @@ def main() -> None:
         model_runner.start_compile_workers = lambda: None
     if known.optimised_launchers:
         model_runner.unoptimised_launcher_builds = lambda: None
-    if known.down_split_rows is not None:
-        from flexengine.layers import linear
-        linear.DOWN_SPLIT_ROWS = known.down_split_rows
-    if known.zero_first_deltas:
-        from flexengine.models import decoder
-        decoder.ZERO_FIRST_DELTAS = True
+    if known.knobs:
+        import decode_step_probe  # (this script's folder is on the path)
+        decode_step_probe.apply(*decode_step_probe.parse(known.knobs))
     q = argparse.ArgumentParser()
     add_engine_arguments(q)
     args = q.parse_args(rest)
