@@ -1,11 +1,11 @@
-"""The CUDA engine's compiled helpers (take_inputs, the decode positions, the decode page lists) built by Inductor on
-the CPU, in the CPU engine's run of the CUDA path (tests/conftest.py's gpu_shaped_engines: dynamo's eager backend for
-everything else): a change to how they are traced fails here as it would on a GPU box, without one. Run it under the
-GPU boxes' torch too (a venv with `pip install torch==2.11.0`: session 47's backed_size_oblivious lowered on 2.13 and
-not on 2.11). torch 2.11's C++ backend fails on take_inputs as it stands (`'tmp5' was not declared`, a CPU code
-generation bug: the GPU compiles it), so under 2.11 check the other two.
+"""The CUDA engine's compiled helpers (take_decode_inputs: take_inputs and the decode positions; the decode page
+lists) built by Inductor on the CPU, in the CPU engine's run of the CUDA path (tests/conftest.py's gpu_shaped_engines:
+dynamo's eager backend for everything else): a change to how they are traced fails here as it would on a GPU box,
+without one. Run it under the GPU boxes' torch too (a venv with `pip install torch==2.11.0`: session 47's
+backed_size_oblivious lowered on 2.13 and not on 2.11). torch 2.11's C++ backend fails on take_inputs as it stands
+(`'tmp5' was not declared`, a CPU code generation bug: the GPU compiles it), so under 2.11 check the page lists.
 
-    python3 scripts/cpu_inductor_helpers.py [take_inputs,refresh_decode_positions,decode_lists]
+    python3 scripts/cpu_inductor_helpers.py [take_decode_inputs,decode_lists]
 
 Prints each helper's graph count after an engine's warm-up (buckets 1-16) and whether its tokens are the eager
 engine's.
@@ -27,7 +27,7 @@ def main() -> int:
     from harness import decode_graph_helpers
     from flexengine import LLM, SamplingParams
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("helpers", nargs="?", default="take_inputs,refresh_decode_positions,decode_lists")
+    p.add_argument("helpers", nargs="?", default="take_decode_inputs,decode_lists")
     args = p.parse_args()
     helpers = decode_graph_helpers()
     env = pytest.MonkeyPatch()

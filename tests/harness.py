@@ -132,6 +132,5 @@ def decode_graph_helpers() -> dict:
     scripts/cpu_inductor_helpers.py swap them in on the CPU."""
     from flexengine.attention.backends import paged_mods
     from flexengine.compile import cuda_graphs
-    return {"take_inputs": (cuda_graphs, cuda_graphs._compiled_take_inputs),
-            "refresh_decode_positions": (cuda_graphs, cuda_graphs._compiled_positions),
+    return {"take_decode_inputs": (cuda_graphs, cuda_graphs._compiled_take_decode_inputs),
             "decode_lists": (paged_mods, paged_mods._compiled_decode_lists)}

@@ -335,8 +335,8 @@ def test_symbolic_decode_rows_and_prefill_tiles_compile_once_past_the_first_buck
 
 def test_decode_graph_helpers_compile_no_graph_of_their_own_for_one_row(gpu_shaped_engines, monkeypatch):
     """The decode graphs' helpers as the CUDA engine compiles them (compile.compiled_on_first_use), here under dynamo's
-    eager backend, over buckets 16 to 1: take_inputs takes two rows at batch 1 and the one-row bucket's layout has a
-    padding span (cuda_graphs.decode_layout), so neither it nor the positions get a graph for one row (dynamo
+    eager backend, over buckets 16 to 1: take_decode_inputs takes two rows at batch 1 and the one-row bucket's layout
+    has a padding span (cuda_graphs.decode_layout), so neither its inputs nor its positions get a graph for one row (dynamo
     specialises a size of 1: a graph more each on an H200's fresh start, session 48), nor the page lists (they list a row
     more than they are read: session 50). Mixed traffic, whose batches shrink to one request, gives
     the eager engine's tokens and compiles nothing after warm-up."""
@@ -353,7 +353,7 @@ def test_decode_graph_helpers_compile_no_graph_of_their_own_for_one_row(gpu_shap
         static = LLM(**config)
         assert static.llm_engine.runner.decode_buckets[0] == 1
         graphs = [len(_debug_get_cache_entry_list(fn.__code__)) for fn in plain]
-        assert graphs == [1, 1, 1], graphs
+        assert graphs == [1, 1], graphs
         before = compile_count()
         got = static.generate(prompts, params, use_tqdm=False)
         assert compile_count() == before, "a shape compiled after warm-up"

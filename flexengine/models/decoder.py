@@ -233,8 +233,9 @@ def make_attention_layers(spec: DecoderSpec) -> list[Attention]:
 
 # Whether the first layer takes zero additions (first_deltas) instead of None: it then runs on the later layers'
 # compiled graphs, where None made attention_inputs two graphs of its own (combo and plain: ~2 s of a fresh start, issue
-# 24), for two memsets a step. Off until a GPU times both (docs/benchmarks.md, session 51).
-ZERO_FIRST_DELTAS = False
+# 24), for two memsets a step: batch 1, 8 and 32 within 0.2% of None's step on one H200, 2 graphs and 2.3 s fewer at a
+# fresh start (docs/benchmarks.md, session 52).
+ZERO_FIRST_DELTAS = True
 
 
 class DecoderModel(nn.Module):
