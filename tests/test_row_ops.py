@@ -2,8 +2,8 @@
 k and v stored into the paged caches, one kernel), gemv.gate_up_silu (gate/up with SiLU-and-mul; its kernels are
 tested in test_gemv.py) and linear.down_split (the down projection as two float32 partial sums, added in the next
 norm). rotary_store's Triton kernel (run by Triton's interpreter on the CPU) against rotary and the
-store written plainly; the decoder's path through each op against its ordinary path, through the engine, eager and
-compiled."""
+store written plainly, and rotary.cos_sin's (every step's cos/sin tables on CUDA) against the angles' cosines in
+float64; the decoder's path through each op against its ordinary path, through the engine, eager and compiled."""
 from __future__ import annotations
 
 import os
@@ -26,15 +26,39 @@ COMPILE = torch.compile  # (before gpu_shaped_engines puts dynamo's eager backen
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def test_the_kernel_under_triton_s_interpreter():
-    """The kernel test below on the CPU, in a process of its own (Triton's interpreter is chosen at import)."""
+def test_the_kernels_under_triton_s_interpreter():
+    """The two kernel tests below on the CPU, in a process of their own (Triton's interpreter is chosen at import)."""
     if torch.cuda.is_available() or INTERPRETED:
-        pytest.skip("the GPU runs the kernel natively; an interpreted process runs the test itself")
+        pytest.skip("the GPU runs the kernels natively; an interpreted process runs the tests itself")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                           f"{__file__}::test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots"],
+                           f"{__file__}::test_the_kernel_rotates_q_and_k_and_stores_k_and_v_at_the_slots",
+                           f"{__file__}::test_the_cos_sin_kernel_gives_each_angle_s_cosine_and_sine"],
                           env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.one_of(st.integers(1, 70), st.just(1000)), half=st.sampled_from([2, 4, 32, 36, 40, 64]),
+       out=st.sampled_from(["float32", "model"]), seed=st.integers(0, 2**16))
+def test_the_cos_sin_kernel_gives_each_angle_s_cosine_and_sine(tokens, half, out, seed):
+    """rotary.cos_sin's kernel: positions up to 131,072 (a long context's), head sizes 4-128 (72 and 80 too), a decode
+    step's few tokens and a prompt chunk's many: each (token, j) is cos and sin of float32(position) * inv_freq[j]
+    (the float32 angle the CPU path and transformers form, its cosine taken in float64 here), rounded to the
+    outputs' dtype: float32 within a few float32 ulps, bf16 (the model dtype on a GPU) within one bf16 ulp."""
+    from flexengine.layers.rotary import _launch_cos_sin, default_inv_freq
+    device, dtype, g, _ = kernel_inputs(seed)
+    dtype = torch.float32 if out == "float32" else dtype
+    positions = torch.randint(0, 131072, (tokens,), generator=g)
+    positions[0] = 0
+    inv_freq = default_inv_freq(2 * half, 500000.0)
+    cos, sin = _launch_cos_sin(positions.to(device), inv_freq.to(device), dtype)
+    angle = (positions[:, None].float() * inv_freq[None, :]).double()
+    tol = 2e-6 if dtype == torch.float32 else 2 ** -8
+    for got, want in ((cos, angle.cos()), (sin, angle.sin())):
+        assert got.shape == (tokens, 1, half) and got.dtype == dtype
+        torch.testing.assert_close(got[:, 0].cpu().double(), want, atol=tol, rtol=0)
 
 
 @pytest.mark.gpu

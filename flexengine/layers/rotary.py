@@ -70,13 +70,31 @@ class RotaryEmbedding(nn.Module):
         return cos_sin(positions, self.inv_freq, dtype)
 
 
-@fused(autotune=False)
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # one kernel a step on the CUDA engine, not five (a decode step's every launch costs ~1 µs of gap). One config:
-    # the first region a fresh start compiles, often before Inductor's workers are up, and its four configs were
-    # compiled one after another in the main process (1.9-2.8 s, sessions 49-50)
+    """positions [T] → (cos, sin) [T, 1, D/2] in `dtype`: on CUDA one Triton kernel a step (not five launches: a
+    decode step's every launch costs ~1 µs of gap), which Triton compiles once per engine, where Inductor compiled
+    the same code as two graphs (the batch-1 decode graph's and the rest's: 2.7-4.4 s of a fresh start, session
+    52's logs)."""
+    if positions.is_cuda:
+        return _launch_cos_sin(positions, inv_freq, dtype)
     freqs = positions[:, None].float() * inv_freq[None, :]
     return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+def _launch_cos_sin(positions, inv_freq, dtype):
+    from triton import next_power_of_2 as pow2
+    from .rotary_kernel import cos_sin_kernel
+    T, half = positions.shape[0], inv_freq.shape[0]
+    assert positions.is_contiguous() and inv_freq.is_contiguous() and inv_freq.dtype == torch.float32
+    cos, sin = (positions.new_empty(T, 1, half, dtype=dtype) for _ in range(2))
+    if T == 0:
+        return cos, sin
+    pdl = launches_with_pdl(positions.device)
+    block = max(1, min(64, 2048 // pow2(half)))  # tokens a program: a decode step's few in one program
+    cos_sin_kernel[(-(-T // block),)](positions, inv_freq, cos, sin, T, HALF=half, HALF_PAD=pow2(half),
+                                      BLOCK_T=block, USE_PDL=pdl, num_warps=1 if T <= block else 4,
+                                      **({"launch_pdl": True} if pdl else {}))
+    return cos, sin
 
 
 @fused

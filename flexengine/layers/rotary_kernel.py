@@ -41,3 +41,22 @@ def rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_p
         v_row = vc_ptr + slot * (KV_HEADS * D) + (h - Q_HEADS - KV_HEADS) * D + j
         tl.store(v_row, o1, mask=live & ~rotate)
         tl.store(v_row + HALF, o2, mask=live & ~rotate)
+
+
+@triton.jit
+def cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, T, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                   BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
+    # rows t of BLOCK_T tokens: angle = float32(position) * inv_freq[j], then cos and sin rounded to the outputs'
+    # dtype once, as Inductor's kernel for rotary.cos_sin's code computes them (tl.cos and tl.sin are its own)
+    if USE_PDL:  # the positions are written by the kernel before (the decode graphs' inputs)
+        tl.extra.cuda.gdc_wait()
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    j = tl.arange(0, HALF_PAD)[None, :]
+    pos = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
+    angle = pos * tl.load(inv_freq_ptr + j, mask=j < HALF, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    out = t * HALF + j
+    live = (t < T) & (j < HALF)
+    tl.store(cos_ptr + out, tl.cos(angle).to(cos_ptr.dtype.element_ty), mask=live)
+    tl.store(sin_ptr + out, tl.sin(angle).to(sin_ptr.dtype.element_ty), mask=live)
