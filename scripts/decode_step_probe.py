@@ -23,6 +23,7 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,heads_as_rows=32,heads_block_n=128,heads_num_warps=4 -- latency ...
     python3 scripts/decode_step_probe.py default,prefill_dynamic=0 -- throughput ...  # a prefill compile per bucket
     python3 scripts/decode_step_probe.py default,zero_first_deltas=1 -- latency ...  # the first layer's zero additions
+    python3 scripts/decode_step_probe.py default,cos_sin_kernel=1 -- latency ...  # cos/sin from a Triton kernel of its own
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
 query rows (flex_kernels.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
@@ -50,7 +51,7 @@ KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
                "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks", "heads_as_rows",
                "heads_block_n", "heads_num_warps", "heads_num_stages", "prefill_dynamic", "decode_dynamic",
-               "zero_first_deltas")
+               "zero_first_deltas", "cos_sin_kernel")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -118,6 +119,7 @@ def apply(options: dict | None, engine: dict) -> None:
     flex_kernels.DECODE_DYNAMIC = bool(engine.get("decode_dynamic", flex_kernels.DECODE_DYNAMIC))
     from flexengine.models import decoder
     decoder.ZERO_FIRST_DELTAS = bool(engine.get("zero_first_deltas", decoder.ZERO_FIRST_DELTAS))
+    rotary.COS_SIN_KERNEL = bool(engine.get("cos_sin_kernel", rotary.COS_SIN_KERNEL))
     tiles = {k[len("heads_"):].replace("block_n", "BLOCK_N"): v for k, v in engine.items()
              if k.startswith("heads_") and k != "heads_as_rows"}
     flex_kernels.HEADS_AS_ROWS_TILES = {**flex_kernels.HEADS_AS_ROWS_TILES, **tiles}

@@ -690,14 +690,16 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines, 
     assert {graphs.whole(k) for k in met} == ({True} if whole_tiles == 16 else {True, False})
 
 
-def test_compiled_take_inputs_equal_eager(monkeypatch, tmp_path):
+def test_compiled_take_inputs_and_rotary_tables_equal_eager(monkeypatch, tmp_path):
     """What the CUDA engine runs through Inductor inside the decode graphs (here Inductor on the CPU): the step's
     inputs taken from the one staged buffer (a still step changes nothing, a moving one moves rows on by one token
-    with their new pages, a filling one replaces every row; one dynamic graph for one row, one for several) give
-    what the eager code gives, and what the modes mean."""
+    with their new pages, a filling one replaces every row; one dynamic graph for one row, one for several) and
+    rotary's cos/sin (one kernel a step) give what the eager code gives, and what the modes mean."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cached graph brings its old guards
-    from flexengine.compile import compile_count, compiled_on_first_use, configure_dynamo
+    from flexengine.compile import compile_count, compiled_on_first_use, configure_dynamo, reset_fused, \
+        set_fused_elementwise
     from flexengine.compile.cuda_graphs import DecodeBuffers, take_inputs
+    from flexengine.layers.rotary import default_inv_freq, fused_cos_sin
     torch._dynamo.reset()
     configure_dynamo()
     compiled = compiled_on_first_use(take_inputs)()  # as the engine compiles it (no duck sizing)
@@ -769,6 +771,17 @@ def test_compiled_take_inputs_equal_eager(monkeypatch, tmp_path):
                 assert slots[i] == s_.block_table[q // P] * P + q % P
             assert (slots[n:] == scratch).all()
     assert compile_count() - before == 1, "one dynamic graph for every bucket past one row"
+    reset_fused()
+    positions, inv_freq = torch.arange(0, 3000, 37), default_inv_freq(64, 500000.0)
+    expected = fused_cos_sin.eager(positions, inv_freq, torch.bfloat16)
+    set_fused_elementwise(True)
+    try:
+        got = fused_cos_sin(positions, inv_freq, torch.bfloat16)
+    finally:
+        set_fused_elementwise(False)
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape == (len(positions), 1, 32) and a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, atol=2 ** -7, rtol=0)  # Inductor's sin/cos: a bf16 ulp apart at most
 
 
 def test_combo_kernels_env_refuses_nonsense(monkeypatch):

@@ -43,10 +43,11 @@ def test_the_kernels_under_triton_s_interpreter():
 @given(tokens=st.one_of(st.integers(1, 70), st.just(1000)), half=st.sampled_from([2, 4, 32, 36, 40, 64]),
        out=st.sampled_from(["float32", "model"]), seed=st.integers(0, 2**16))
 def test_the_cos_sin_kernel_gives_each_angle_s_cosine_and_sine(tokens, half, out, seed):
-    """rotary.cos_sin's kernel: positions up to 131,072 (a long context's), head sizes 4-128 (72 and 80 too), a decode
-    step's few tokens and a prompt chunk's many: each (token, j) is cos and sin of float32(position) * inv_freq[j]
-    (the float32 angle the CPU path and transformers form, its cosine taken in float64 here), rounded to the
-    outputs' dtype: float32 within a few float32 ulps, bf16 (the model dtype on a GPU) within one bf16 ulp."""
+    """rotary.cos_sin's kernel (COS_SIN_KERNEL): positions up to 131,072 (a long context's), head sizes 4-128 (72
+    and 80 too), a decode step's few tokens and a prompt chunk's many: each (token, j) is cos and sin of
+    float32(position) * inv_freq[j] (the float32 angle the CPU path and transformers form, its cosine taken in
+    float64 here), rounded to the outputs' dtype: float32 within a few float32 ulps, bf16 (the model dtype on a GPU)
+    within one bf16 ulp."""
     from flexengine.layers.rotary import _launch_cos_sin, default_inv_freq
     device, dtype, g, _ = kernel_inputs(seed)
     dtype = torch.float32 if out == "float32" else dtype

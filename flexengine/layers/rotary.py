@@ -70,13 +70,27 @@ class RotaryEmbedding(nn.Module):
         return cos_sin(positions, self.inv_freq, dtype)
 
 
+# Whether a CUDA step's cos/sin come from cos_sin_kernel (rotary_kernel.py), which Triton compiles once per engine,
+# instead of Inductor's kernel of fused_cos_sin, which dynamo compiles as two graphs (the batch-1 decode graph's and
+# the rest's: 2.7-4.4 s of a fresh start, session 52's logs). Off until a GPU times both on one box: session 52's one
+# A/B (batch 1 1.060 against 1.020 ms a token, the kernel then computing 64 rows for a decode step's one) ran the
+# kernel's first form after a killed start-up, and the form here has not run on a GPU.
+COS_SIN_KERNEL = False
+
+
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] → (cos, sin) [T, 1, D/2] in `dtype`: on CUDA one Triton kernel a step (not five launches: a
-    decode step's every launch costs ~1 µs of gap), which Triton compiles once per engine, where Inductor compiled
-    the same code as two graphs (the batch-1 decode graph's and the rest's: 2.7-4.4 s of a fresh start, session
-    52's logs)."""
-    if positions.is_cuda:
+    """positions [T] → (cos, sin) [T, 1, D/2] in `dtype`: one kernel a step on CUDA (not five launches: a decode
+    step's every launch costs ~1 µs of gap)."""
+    if COS_SIN_KERNEL and positions.is_cuda:
         return _launch_cos_sin(positions, inv_freq, dtype)
+    return fused_cos_sin(positions, inv_freq, dtype)
+
+
+@fused(autotune=False)
+def fused_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) \
+        -> tuple[torch.Tensor, torch.Tensor]:
+    # One config: the first region a fresh start compiles, often before Inductor's workers are up, and its four
+    # configs were compiled one after another in the main process (1.9-2.8 s, sessions 49-50)
     freqs = positions[:, None].float() * inv_freq[None, :]
     return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
@@ -90,10 +104,8 @@ def _launch_cos_sin(positions, inv_freq, dtype):
     if T == 0:
         return cos, sin
     pdl = launches_with_pdl(positions.device)
-    block = max(1, min(64, 2048 // pow2(half)))  # tokens a program: a decode step's few in one program
-    cos_sin_kernel[(-(-T // block),)](positions, inv_freq, cos, sin, T, HALF=half, HALF_PAD=pow2(half),
-                                      BLOCK_T=block, USE_PDL=pdl, num_warps=1 if T <= block else 4,
-                                      **({"launch_pdl": True} if pdl else {}))
+    cos_sin_kernel[(T,)](positions, inv_freq, cos, sin, HALF=half, HALF_PAD=pow2(half), USE_PDL=pdl, num_warps=1,
+                         **({"launch_pdl": True} if pdl else {}))
     return cos, sin
 
 

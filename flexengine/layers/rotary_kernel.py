@@ -43,20 +43,21 @@ def rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, kc_ptr, vc_p
         tl.store(v_row + HALF, o2, mask=live & ~rotate)
 
 
-@triton.jit
-def cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, T, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                   BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
-    # rows t of BLOCK_T tokens: angle = float32(position) * inv_freq[j], then cos and sin rounded to the outputs'
-    # dtype once, as Inductor's kernel for rotary.cos_sin's code computes them (tl.cos and tl.sin are its own)
+# One compile per engine: no integer argument, and the positions (a view at any offset in the eager steps' packed
+# copy) not specialised on their alignment, which would compile a second kernel at the first odd offset
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
+def cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    # program t: angle = float32(position t) * inv_freq[j], its cos and sin rounded to the outputs' dtype once, as
+    # Inductor's kernel for rotary.cos_sin's code computes them (tl.cos and tl.sin are its own). A token a program:
+    # a decode step's one token computes no masked rows
     if USE_PDL:  # the positions are written by the kernel before (the decode graphs' inputs)
         tl.extra.cuda.gdc_wait()
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
-    j = tl.arange(0, HALF_PAD)[None, :]
-    pos = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
-    angle = pos * tl.load(inv_freq_ptr + j, mask=j < HALF, other=0.0)
+    t = tl.program_id(0)
+    j = tl.arange(0, HALF_PAD)
+    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + j, mask=j < HALF, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    out = t * HALF + j
-    live = (t < T) & (j < HALF)
-    tl.store(cos_ptr + out, tl.cos(angle).to(cos_ptr.dtype.element_ty), mask=live)
-    tl.store(sin_ptr + out, tl.sin(angle).to(sin_ptr.dtype.element_ty), mask=live)
+    out = t.to(tl.int64) * HALF + j
+    tl.store(cos_ptr + out, tl.cos(angle).to(cos_ptr.dtype.element_ty), mask=j < HALF)
+    tl.store(sin_ptr + out, tl.sin(angle).to(sin_ptr.dtype.element_ty), mask=j < HALF)
