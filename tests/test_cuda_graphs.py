@@ -336,9 +336,9 @@ def test_symbolic_decode_rows_and_prefill_tiles_compile_once_past_the_first_buck
 def test_decode_graph_helpers_compile_no_graph_of_their_own_for_one_row(gpu_shaped_engines, monkeypatch):
     """The decode graphs' helpers as the CUDA engine compiles them (compile.compiled_on_first_use), here under dynamo's
     eager backend, over buckets 16 to 1: take_decode_inputs takes two rows at batch 1 and the one-row bucket's layout
-    has a padding span (cuda_graphs.decode_layout), so neither its inputs nor its positions get a graph for one row (dynamo
-    specialises a size of 1: a graph more each on an H200's fresh start, session 48), nor the page lists (they list a row
-    more than they are read: session 50). Mixed traffic, whose batches shrink to one request, gives
+    has a padding span (cuda_graphs.decode_layout), so neither its inputs nor its positions get a graph for one row
+    (dynamo specialises a size of 1: a graph more each on an H200's fresh start, session 48), nor the page lists (they
+    list a row more than they are read: session 50). Mixed traffic, whose batches shrink to one request, gives
     the eager engine's tokens and compiles nothing after warm-up."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from harness import decode_graph_helpers
