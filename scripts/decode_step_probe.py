@@ -24,6 +24,7 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,prefill_dynamic=0 -- throughput ...  # a prefill compile per bucket
     python3 scripts/decode_step_probe.py default,zero_first_deltas=1 -- latency ...  # the first layer's zero additions
     python3 scripts/decode_step_probe.py default,cos_sin_kernel=1 -- latency ...  # cos/sin: a Triton kernel of its own
+    python3 scripts/decode_step_probe.py default,prefill_symbolic_first=1 -- latency ...  # one prefill graph
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
 query rows (flex_kernels.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
@@ -51,7 +52,7 @@ KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
                "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks", "heads_as_rows",
                "heads_block_n", "heads_num_warps", "heads_num_stages", "prefill_dynamic", "decode_dynamic",
-               "zero_first_deltas", "cos_sin_kernel")
+               "zero_first_deltas", "cos_sin_kernel", "prefill_symbolic_first")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -117,6 +118,8 @@ def apply(options: dict | None, engine: dict) -> None:
     flex_kernels.DECODE_HEADS_AS_ROWS = engine.get("heads_as_rows", flex_kernels.DECODE_HEADS_AS_ROWS)
     flex_kernels.PREFILL_DYNAMIC = bool(engine.get("prefill_dynamic", flex_kernels.PREFILL_DYNAMIC))
     flex_kernels.DECODE_DYNAMIC = bool(engine.get("decode_dynamic", flex_kernels.DECODE_DYNAMIC))
+    flex_kernels.PREFILL_SYMBOLIC_FIRST = bool(engine.get("prefill_symbolic_first",
+                                                          flex_kernels.PREFILL_SYMBOLIC_FIRST))
     from flexengine.models import decoder
     decoder.ZERO_FIRST_DELTAS = bool(engine.get("zero_first_deltas", decoder.ZERO_FIRST_DELTAS))
     rotary.COS_SIN_KERNEL = bool(engine.get("cos_sin_kernel", rotary.COS_SIN_KERNEL))

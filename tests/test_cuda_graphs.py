@@ -333,6 +333,31 @@ def test_symbolic_decode_rows_and_prefill_tiles_compile_once_past_the_first_buck
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_prefill_call_compiled_symbolic_from_its_first_call_is_one_graph(gpu_shaped_engines, monkeypatch, block_size):
+    """flex_kernels.PREFILL_SYMBOLIC_FIRST on the CUDA engine's path on the CPU (dynamo's eager backend), over a
+    workspace (16-token pages) and in place (128-token pages): the prefill call's first compile takes its tile count
+    symbolic, a one-tile step's call two tiles (the second empty), so every prefill bucket runs on one graph where
+    automatic dynamic shapes made two; nothing compiles after warm-up, and the tokens are the eager engine's."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from flexengine.attention.backends import flex_kernels
+    from flexengine.compile.warmup import prefill_buckets
+    monkeypatch.setattr(flex_kernels, "PREFILL_DYNAMIC", True)
+    monkeypatch.setattr(flex_kernels, "PREFILL_SYMBOLIC_FIRST", True)
+    monkeypatch.setattr(flex_kernels, "SYMBOLIC_ON_CPU", True)
+    prompts, params = mixed_traffic(n=16, temperature=0)
+    config = dict(max_num_seqs=16, max_num_batched_tokens=640, block_size=block_size,
+                  num_kv_blocks=96 * 16 // block_size, max_model_len=128 if block_size == 16 else 384)
+    static = LLM(**config)
+    assert prefill_buckets(static.llm_engine.runner)[0] == 1 and len(prefill_buckets(static.llm_engine.runner)) >= 3
+    assert len(_debug_get_cache_entry_list(flex_kernels.flex_for_prefill.__code__)) == 1
+    got = static.generate(prompts, params, use_tqdm=False)
+    assert len(_debug_get_cache_entry_list(flex_kernels.flex_for_prefill.__code__)) == 1
+    gpu_shaped_engines()
+    expected = LLM(**config, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
 def test_decode_graph_helpers_compile_no_graph_of_their_own_for_one_row(gpu_shaped_engines, monkeypatch):
     """The decode graphs' helpers as the CUDA engine compiles them (compile.compiled_on_first_use), here under dynamo's
     eager backend, over buckets 16 to 1: take_decode_inputs takes two rows at batch 1 and the one-row bucket's layout

@@ -27,8 +27,9 @@ from ..layout import KV_TILE, Q_TILE
 from ..split_kv import merge_splits_into
 from ..workspace import gather_pages
 from . import flex_kernels
-from .flex_kernels import (compiled_flex, compiled_symbolic, decode_kernel_options, flex_for_decode, flex_for_prefill,
-                           flex_memory_stand_in, heads_as_rows_kernel_options, takes_heads_as_rows, whole_blocks)
+from .flex_kernels import (call_tiles, compiled_flex, compiled_symbolic, decode_kernel_options, flex_for_decode,
+                           flex_for_prefill, flex_memory_stand_in, heads_as_rows_kernel_options, takes_heads_as_rows,
+                           whole_blocks)
 from .paged_mods import build_block_masks, heads_as_rows_block_mask, paged_mask, paged_score
 from .prefill_kernel import PrefillKernel
 
@@ -49,6 +50,7 @@ class FlexBackend:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self.prefill_kernel = PrefillKernel()  # FA4 or Triton for the compiled prefill call
         self.q_tiles = 1  # prefill tiles per q block of long steps' in-place prefill call (reserve_workspace chooses)
+        self.prefill_marked = False  # (PREFILL_SYMBOLIC_FIRST: the symbolic prefill call's first call marked)
         self.stand_in = False  # flex calls only allocate their outputs (memory_stand_in)
 
     def reserve_workspace(self, pages: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> None:
@@ -238,7 +240,7 @@ class FlexBackend:
         torch._dynamo.mark_static(v)
         return compiled_symbolic(fn)
 
-    def prefill(self, flex, q, k, v, score_mod, block_mask, scale, gqa):
+    def prefill(self, flex, q, k, v, score_mod, block_mask, scale, gqa, meta: AttentionMetadata):
         """The prefill tiles' flex call, on FA4 or the Triton template (prefill_kernel.py)."""
         def call():
             options = self.prefill_kernel.options(q)
@@ -247,6 +249,14 @@ class FlexBackend:
             fn = self.symbolic_flex(on, flex_for_prefill, flex, q, k, v)
             if fn is not flex:
                 options = {**options, "IS_DIVISIBLE": whole_blocks(q, k, block_mask)}
+                if flex_kernels.PREFILL_SYMBOLIC_FIRST and not self.prefill_marked:  # (its first call only)
+                    state = meta.backend_state
+                    limits = [state["prefill_limits"]] if "prefill_limits" in state else []
+                    self.prefill_marked = True
+                    with flex_kernels.symbolic_from_the_start(q, block_mask, [*state.get("prefill_rows", ()),
+                                                                              *limits]):
+                        return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                  kernel_options=options)
             return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                       kernel_options=options)
         try:
@@ -284,11 +294,11 @@ class FlexBackend:
         if lay.num_tiles:  # the token buffer itself, as whole tiles: [1, Hq, Tp * Q_TILE, D], no gather
             if len(meta.ws_src) == 0:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
-            R = lay.num_tiles * Q_TILE
+            R = call_tiles(lay.num_tiles, lay.q_tiles) * Q_TILE
             assert R >= T, (R, T)
             kw, vw = (k, v) if self.direct(P, query.device) else self.gather_workspace(key_cache, value_cache, meta)
             qp = query if R == T else F.pad(query, (0, 0, 0, 0, 0, R - T))  # the engine pads; the functional API not
-            op = self.prefill(flex, qp.transpose(0, 1).unsqueeze(0), kw, vw, pre_sm, pre_bm, scale, gqa)
+            op = self.prefill(flex, qp.transpose(0, 1).unsqueeze(0), kw, vw, pre_sm, pre_bm, scale, gqa, meta)
             out = op[0].transpose(0, 1)[:T]  # decode tokens' rows are overwritten below
         else:
             out = query.new_empty(T, Hq, D)

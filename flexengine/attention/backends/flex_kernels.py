@@ -4,6 +4,7 @@ compile per bucket, or one for a symbolic tile count). Module flags here are wha
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -39,6 +40,37 @@ def flex_for_prefill(query, key, value, score_mod, block_mask, scale, enable_gqa
 # flex kernels, 48 s of a 145 s start; 102 s with symbolic tiles). With IS_DIVISIBLE passed (whole_blocks) the
 # symbolic kernel takes 0.88-1.00x the per-bucket kernels' time (session 46, scripts/prefill_dynamic_probe.py).
 PREFILL_DYNAMIC = True
+
+
+# Whether the symbolic prefill call is compiled symbolic from its first call (its tile-count dimensions marked
+# dynamic, symbolic_from_the_start), with a one-tile step's call padded to two tiles (call_tiles: an empty second tile,
+# which lists no page), so that the prefill call is one graph where automatic dynamic shapes made two (the first
+# bucket's static graph, then the symbolic one: ~4 s of Triton's template each at a fresh start, session 52's logs).
+# Off until a GPU times it: a one-tile step then copies its queries into a two-tile buffer in each layer.
+PREFILL_SYMBOLIC_FIRST = False
+
+
+def call_tiles(num_tiles: int, q_tiles: int = 1) -> int:
+    """The prefill call's tiles for a step of `num_tiles` (the layout's): two for one under PREFILL_SYMBOLIC_FIRST
+    (dynamo specialises a size of 1: a one-tile call would compile a graph of its own)."""
+    return 2 if PREFILL_SYMBOLIC_FIRST and PREFILL_DYNAMIC and num_tiles == 1 and q_tiles == 1 else num_tiles
+
+
+@contextlib.contextmanager
+def symbolic_from_the_start(query, block_mask, captured: list):
+    """The symbolic prefill call's first compile (PREFILL_SYMBOLIC_FIRST) with what scales with its tiles dynamic, as
+    dynamo's automatic dynamic shapes made them in the second graph: the query's rows, the BlockMask's q blocks and
+    its q length (an int: through torch.compiler.config.dynamic_sources), the mods' per-row tables `captured`.
+    maybe_mark_dynamic: a size that traces static anyway costs a graph per bucket, not an error."""
+    torch._dynamo.maybe_mark_dynamic(query, 2)
+    for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+              block_mask.full_kv_indices):
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+    for t in captured:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    with torch.compiler.config.patch(dynamic_sources=r"L\['block_mask'\]\.seq_lengths\[0\]"):
+        yield
 
 
 def whole_blocks(query, key, block_mask) -> bool:

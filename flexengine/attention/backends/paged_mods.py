@@ -17,6 +17,7 @@ from ...compile import compiled_on_first_use
 from ...masks import MASK_ARGS, SCORE_ARGS, mod_name, request_params
 from ..metadata import AttentionMetadata, decode_full_lists, page_lists, tile_page_lists, workspace_lists
 from ..layout import DEAD_KV0, KV_TILE, Q_TILE
+from .flex_kernels import call_tiles
 
 
 def param_values(meta: AttentionMetadata, fn, base_args) -> list[torch.Tensor]:
@@ -122,7 +123,10 @@ def _prefill_rows(meta: AttentionMetadata):
         # 384-row blocks evaluate the mods on rows past the call's last (an out-of-bounds read of these tables, and
         # an illegal address in the engine, without them); they take the last row's request and position, which
         # the mods may read (a dead row's are a live token's)
-        pad = -len(meta.prefill_req) % (meta.layout.q_tiles * Q_TILE)
+        lay, n = meta.layout, len(meta.prefill_req)
+        pad, tiles = -n % (lay.q_tiles * Q_TILE), call_tiles(lay.num_tiles, lay.q_tiles)
+        if tiles > lay.num_tiles:  # a one-tile step's call of two, its second tile empty
+            pad = tiles * Q_TILE - n
         more = lambda t: torch.cat([t, t[-1:].expand(pad)]).int() if pad else t.int()  # noqa: E731
         meta.backend_state["prefill_rows"] = (more(meta.prefill_req), more(meta.prefill_pos),
                                               F.pad(meta.prefill_kv0.int(), (0, pad), value=DEAD_KV0))
@@ -219,6 +223,7 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
     lay, P = meta.layout, meta.block_size
     values = param_values(meta, mask_mod, MASK_ARGS)
     Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
+    empty = call_tiles(Tp, q_tiles) - Tp  # (flex_kernels.PREFILL_SYMBOLIC_FIRST: a one-tile step's call takes two)
     dec = pre = None
     if Bd:
         M = meta.num_blocks
@@ -237,24 +242,35 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
             seq_lengths=(1, M * P), compute_q_blocks=False)
     if Tp and direct:
         M = meta.num_blocks
-        kv_num, kv_idx, full_num, full_idx = tile_page_lists(meta, mask_mod, values, workspace_pages, q_tiles)
+        kv_num, kv_idx, full_num, full_idx = with_empty_tiles(
+            empty, *tile_page_lists(meta, mask_mod, values, workspace_pages, q_tiles))
         Tb = kv_num.shape[0]  # q blocks: the last may hold fewer than q_tiles tiles
         pre = BlockMask.from_kv_blocks(
             kv_num.view(1, 1, Tb), _pool_wide(kv_idx, M, out and out["prefill"]).view(1, 1, Tb, M),
             full_num.view(1, 1, Tb), _pool_wide(full_idx, M, out and out["prefill_full"]).view(1, 1, Tb, M),
             BLOCK_SIZE=(q_tiles * Q_TILE, P),
-            mask_mod=paged_mask(meta, mask_mod, False, direct=True), seq_lengths=(Tp * Q_TILE, M * P),
+            mask_mod=paged_mask(meta, mask_mod, False, direct=True), seq_lengths=((Tp + empty) * Q_TILE, M * P),
             compute_q_blocks=False)
     elif Tp:
         kv_len = workspace_pages * P
         assert kv_len % KV_TILE == 0, (workspace_pages, P)
         M = kv_len // KV_TILE
-        kv_num, kv_idx, full_num, full_idx = workspace_lists(meta, mask_mod, values, M)
+        Tc = Tp + empty
+        kv_num, kv_idx, full_num, full_idx = with_empty_tiles(empty, *workspace_lists(meta, mask_mod, values, M))
         pre = BlockMask.from_kv_blocks(
-            kv_num.view(1, 1, Tp), kv_idx.view(1, 1, Tp, M), full_num.view(1, 1, Tp), full_idx.view(1, 1, Tp, M),
+            kv_num.view(1, 1, Tc), kv_idx.view(1, 1, Tc, M), full_num.view(1, 1, Tc), full_idx.view(1, 1, Tc, M),
             BLOCK_SIZE=(Q_TILE, KV_TILE), mask_mod=paged_mask(meta, mask_mod, False, listed_only, workspace=True),
-            seq_lengths=(Tp * Q_TILE, kv_len), compute_q_blocks=False)
+            seq_lengths=(Tc * Q_TILE, kv_len), compute_q_blocks=False)
     return dec, pre
+
+
+def with_empty_tiles(more: int, kv_num, kv_idx, full_num, full_idx):
+    """The prefill lists ([Tb], [Tb, M] each) with `more` empty q tiles after them (flex_kernels.call_tiles): no
+    page listed, so the kernel computes nothing there."""
+    if not more:
+        return kv_num, kv_idx, full_num, full_idx
+    return F.pad(kv_num, (0, more)), F.pad(kv_idx, (0, 0, 0, more)), F.pad(full_num, (0, more)), \
+        F.pad(full_idx, (0, 0, 0, more))
 
 
 def heads_as_rows_block_mask(meta: AttentionMetadata, dec: BlockMask, mask_mod, group: int,
