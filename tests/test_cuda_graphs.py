@@ -338,7 +338,7 @@ def test_prefill_call_compiled_symbolic_from_its_first_call_is_one_graph(gpu_sha
     """flex_kernels.PREFILL_SYMBOLIC_FIRST on the CUDA engine's path on the CPU (dynamo's eager backend), over a
     workspace (16-token pages) and in place (128-token pages): the prefill call's first compile takes its tile count
     symbolic, a one-tile step's call two tiles (the second empty), so every prefill bucket runs on one graph where
-    automatic dynamic shapes made two; nothing compiles after warm-up, and the tokens are the eager engine's."""
+    automatic dynamic shapes made two; traffic adds no prefill graph, and the tokens are the eager engine's."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from flexengine.attention.backends import flex_kernels
     from flexengine.compile.warmup import prefill_buckets

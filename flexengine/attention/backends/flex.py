@@ -247,18 +247,18 @@ class FlexBackend:
             # (FA4 compiles one kernel for every bucket by itself, and its wide q blocks are one bucket's)
             on = flex_kernels.PREFILL_DYNAMIC and "BACKEND" not in options
             fn = self.symbolic_flex(on, flex_for_prefill, flex, q, k, v)
+            traced = contextlib.nullcontext()
             if fn is not flex:
                 options = {**options, "IS_DIVISIBLE": whole_blocks(q, k, block_mask)}
                 if flex_kernels.PREFILL_SYMBOLIC_FIRST and not self.prefill_marked:  # (its first call only)
                     state = meta.backend_state
                     limits = [state["prefill_limits"]] if "prefill_limits" in state else []
+                    traced = flex_kernels.symbolic_from_the_start(q, block_mask, [*state.get("prefill_rows", ()),
+                                                                                  *limits])
                     self.prefill_marked = True
-                    with flex_kernels.symbolic_from_the_start(q, block_mask, [*state.get("prefill_rows", ()),
-                                                                              *limits]):
-                        return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                                  kernel_options=options)
-            return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                      kernel_options=options)
+            with traced:
+                return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                          kernel_options=options)
         try:
             return call()
         except Exception as e:  # FA4's code generator refusing a mod: auto falls back, and says so once
