@@ -72,10 +72,10 @@ class RotaryEmbedding(nn.Module):
 
 # Whether a CUDA step's cos/sin come from cos_sin_kernel (rotary_kernel.py), which Triton compiles once per engine,
 # instead of Inductor's kernel of fused_cos_sin, which dynamo compiles as two graphs (the batch-1 decode graph's and
-# the rest's: 2.7-4.4 s of a fresh start, session 52's logs). Off until a GPU times both on one box: session 52's one
-# A/B (batch 1 1.060 against 1.020 ms a token, the kernel then computing 64 rows for a decode step's one) ran the
-# kernel's first form after a killed start-up, and the form here has not run on a GPU.
-COS_SIN_KERNEL = False
+# the rest's: 2.7-4.4 s of a fresh start, session 52's logs). Session 53, one H200 box (with PREFILL_SYMBOLIC_FIRST):
+# no `fused_cos_sin` graph, and batch 1 0.979 / 0.981 ms a token against 0.980 / 0.995, batch 8 1.139 / 1.143 against
+# 1.147 / 1.144.
+COS_SIN_KERNEL = True
 
 
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -294,7 +294,7 @@ class FlexBackend:
         if lay.num_tiles:  # the token buffer itself, as whole tiles: [1, Hq, Tp * Q_TILE, D], no gather
             if len(meta.ws_src) == 0:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
-            R = call_tiles(lay.num_tiles, lay.q_tiles) * Q_TILE
+            R = call_tiles(lay.num_tiles, lay.q_tiles, query.is_cuda) * Q_TILE
             assert R >= T, (R, T)
             kw, vw = (k, v) if self.direct(P, query.device) else self.gather_workspace(key_cache, value_cache, meta)
             qp = query if R == T else F.pad(query, (0, 0, 0, 0, 0, R - T))  # the engine pads; the functional API not

@@ -46,14 +46,18 @@ PREFILL_DYNAMIC = True
 # dynamic, symbolic_from_the_start), with a one-tile step's call padded to two tiles (call_tiles: an empty second tile,
 # which lists no page), so that the prefill call is one graph where automatic dynamic shapes made two (the first
 # bucket's static graph, then the symbolic one: ~4 s of Triton's template each at a fresh start, session 52's logs).
-# Off until a GPU times it: a one-tile step then copies its queries into a two-tile buffer in each layer.
-PREFILL_SYMBOLIC_FIRST = False
+# Session 53, one H200 box: `flex_for_prefill` 1 graph of 3.8-4.7 s against 2 of 9.1-9.6 s a fresh start, and the
+# one-tile step's padding within the box's spread (batch 1's prefill + 1 token 3.45 / 3.09 ms against 3.36 / 3.50).
+PREFILL_SYMBOLIC_FIRST = True
 
 
-def call_tiles(num_tiles: int, q_tiles: int = 1) -> int:
-    """The prefill call's tiles for a step of `num_tiles` (the layout's): two for one under PREFILL_SYMBOLIC_FIRST
-    (dynamo specialises a size of 1: a one-tile call would compile a graph of its own)."""
-    return 2 if PREFILL_SYMBOLIC_FIRST and PREFILL_DYNAMIC and num_tiles == 1 and q_tiles == 1 else num_tiles
+def call_tiles(num_tiles: int, q_tiles: int, on_cuda: bool) -> int:
+    """The prefill call's tiles for a step of `num_tiles` (the layout's): two for one where the symbolic call runs
+    under PREFILL_SYMBOLIC_FIRST (dynamo specialises a size of 1: a one-tile call would compile a graph of its own).
+    Where FA4 serves at one tile a q block the pad buys nothing (FA4 compiles per bucket by itself) and costs an
+    empty tile; the CPU's eager call takes none."""
+    symbolic = PREFILL_SYMBOLIC_FIRST and PREFILL_DYNAMIC and (on_cuda or SYMBOLIC_ON_CPU)
+    return 2 if symbolic and num_tiles == 1 and q_tiles == 1 else num_tiles
 
 
 @contextlib.contextmanager
