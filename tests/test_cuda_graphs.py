@@ -338,7 +338,9 @@ def test_prefill_call_compiled_symbolic_from_its_first_call_is_one_graph(gpu_sha
     """flex_kernels.PREFILL_SYMBOLIC_FIRST on the CUDA engine's path on the CPU (dynamo's eager backend), over a
     workspace (16-token pages) and in place (128-token pages): the prefill call's first compile takes its tile count
     symbolic, a one-tile step's call two tiles (the second empty), so every prefill bucket runs on one graph where
-    automatic dynamic shapes made two; traffic adds no prefill graph, and the tokens are the eager engine's."""
+    automatic dynamic shapes made two; traffic compiles nothing after warm-up (at 128-token pages a mixed step's
+    decode rows once compiled again: the prefill call's static marks had been put on the K and V they take too), and
+    the tokens are the eager engine's."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from flexengine.attention.backends import flex_kernels
     from flexengine.compile.warmup import prefill_buckets
@@ -351,7 +353,9 @@ def test_prefill_call_compiled_symbolic_from_its_first_call_is_one_graph(gpu_sha
     static = LLM(**config)
     assert prefill_buckets(static.llm_engine.runner)[0] == 1 and len(prefill_buckets(static.llm_engine.runner)) >= 3
     assert len(_debug_get_cache_entry_list(flex_kernels.flex_for_prefill.__code__)) == 1
+    before = compile_count()
     got = static.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up"
     assert len(_debug_get_cache_entry_list(flex_kernels.flex_for_prefill.__code__)) == 1
     gpu_shaped_engines()
     expected = LLM(**config, enforce_eager=True).generate(prompts, params, use_tqdm=False)

@@ -155,7 +155,7 @@ class FlexBackend:
         Hkv, P = k.shape[1], meta.block_size
         G = Hq // Hkv
         block_mask, score = self.heads_as_rows_mods(meta, mask_mod, score_mod, G)
-        fn = self.symbolic_flex(flex_kernels.DECODE_DYNAMIC, flex_for_decode, flex, query, k, v)
+        fn, k, v = self.symbolic_flex(flex_kernels.DECODE_DYNAMIC, flex_for_decode, flex, query, k, v)
         out = fn(query.reshape(rows, Hkv, G, D), k, v, score_mod=score, block_mask=block_mask, scale=scale,
                  enable_gqa=False, kernel_options=heads_as_rows_kernel_options(P, query))
         return out.reshape(rows, Hq, D)
@@ -230,15 +230,18 @@ class FlexBackend:
         engine's (reserve_workspace) compiled calls on CUDA when `on` (flex_kernels.PREFILL_DYNAMIC, DECODE_DYNAMIC);
         otherwise `flex`. An engine's pool, heads and head size never change, so only what scales with the step's
         tiles or rows goes symbolic; K and V are marked static all the same (~4 µs each on the dev CPU), so that
-        another engine's pool in the same process cannot make this one's KV length symbolic. The functional API's
-        calls, over pools of any size, compile per shape; Inductor's CPU template (tests only) fails to build a
-        symbolic tile count on torch 2.13 (a C++ error)."""
+        another engine's pool in the same process cannot make this one's KV length symbolic. The marks go on aliases
+        of K and V, returned with the call: the step's static flex calls take the same K and V, and a mark on a tensor
+        that a static graph was compiled without fails its guard (a mixed step's decode rows compiled again after
+        warm-up at 128-token pages). The functional API's calls, over pools of any size, compile per shape;
+        Inductor's CPU template (tests only) fails to build a symbolic tile count on torch 2.13 (a C++ error)."""
         if not (on and (query.is_cuda or flex_kernels.SYMBOLIC_ON_CPU) and self.workspace_pages is not None
                 and flex is compiled_flex()):
-            return flex
+            return flex, k, v
+        k, v = k.detach(), v.detach()
         torch._dynamo.mark_static(k)
         torch._dynamo.mark_static(v)
-        return compiled_symbolic(fn)
+        return compiled_symbolic(fn), k, v
 
     def prefill(self, flex, q, k, v, score_mod, block_mask, scale, gqa, meta: AttentionMetadata):
         """The prefill tiles' flex call, on FA4 or the Triton template (prefill_kernel.py)."""
@@ -246,7 +249,7 @@ class FlexBackend:
             options = self.prefill_kernel.options(q)
             # (FA4 compiles one kernel for every bucket by itself, and its wide q blocks are one bucket's)
             on = flex_kernels.PREFILL_DYNAMIC and "BACKEND" not in options
-            fn = self.symbolic_flex(on, flex_for_prefill, flex, q, k, v)
+            fn, kc, vc = self.symbolic_flex(on, flex_for_prefill, flex, q, k, v)
             traced = contextlib.nullcontext()
             if fn is not flex:
                 options = {**options, "IS_DIVISIBLE": whole_blocks(q, k, block_mask)}
@@ -257,7 +260,7 @@ class FlexBackend:
                                                                                   *limits])
                     self.prefill_marked = True
             with traced:
-                return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                return fn(q, kc, vc, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                           kernel_options=options)
         try:
             return call()
