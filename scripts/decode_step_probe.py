@@ -22,9 +22,9 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,heads_as_rows=32 -- latency ...  # decode on flex's attention template
     python3 scripts/decode_step_probe.py default,heads_as_rows=32,heads_block_n=128,heads_num_warps=4 -- latency ...
     python3 scripts/decode_step_probe.py default,prefill_dynamic=0 -- throughput ...  # a prefill compile per bucket
-    python3 scripts/decode_step_probe.py default,zero_first_deltas=1 -- latency ...  # the first layer's zero additions
-    python3 scripts/decode_step_probe.py default,cos_sin_kernel=1 -- latency ...  # cos/sin: a Triton kernel of its own
-    python3 scripts/decode_step_probe.py default,prefill_symbolic_first=1 -- latency ...  # one prefill graph
+    python3 scripts/decode_step_probe.py default,zero_first_deltas=0 -- latency ...  # no zero additions: the first layer's own graphs
+    python3 scripts/decode_step_probe.py default,cos_sin_kernel=0 -- latency ...  # cos/sin from Inductor's kernel
+    python3 scripts/decode_step_probe.py default,prefill_symbolic_first=0 -- latency ...  # two prefill graphs, no pad
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
 query rows (flex_kernels.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
