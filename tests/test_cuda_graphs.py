@@ -362,6 +362,40 @@ def test_prefill_call_compiled_symbolic_from_its_first_call_is_one_graph(gpu_sha
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
+def strict_mask(rows: int, max_len: int, heads: int):
+    """Causal, and raises (an index past a one-element tensor) on a request index past `rows` or a coordinate
+    outside [0, max_len): what an attention-gym mod indexing its captured tables would do."""
+    guard, length = torch.zeros(1, dtype=torch.bool), torch.full((rows,), max_len)
+
+    def strict(b, h, q_idx, kv_idx):
+        L = length[b]
+        bad = (q_idx < 0) | (q_idx >= L) | (kv_idx < 0) | (kv_idx >= L) | (h < 0) | (h >= heads)
+        return guard[bad.long()] | (kv_idx <= q_idx)
+    return strict
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_the_gpu_paths_padding_never_reaches_a_strict_mod(gpu_shaped_engines, monkeypatch, block_size):
+    """The CUDA engine's path on the CPU with the symbolic prefill call (a one-tile step's call padded to two tiles,
+    padding rows, decode buckets, 128-token pages read in place): a mask mod that raises on any coordinate outside
+    [0, max_model_len) or past the batch's rows is never called there (with the padding rows' positions set past
+    max_len instead of a live token's, this fails), compiles nothing after warm-up, and gives the reference
+    backend's tokens."""
+    from flexengine.attention.backends import flex_kernels
+    monkeypatch.setattr(flex_kernels, "SYMBOLIC_ON_CPU", True)
+    prompts, params = mixed_traffic(n=16, temperature=0)
+    max_len = 128 if block_size == 16 else 384
+    config = dict(max_num_seqs=16, max_num_batched_tokens=640, block_size=block_size,
+                  mask_mod=strict_mask(16, max_len, 4), num_kv_blocks=96 * 16 // block_size, max_model_len=max_len)
+    static = LLM(**config)
+    before = compile_count()
+    got = static.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up"
+    gpu_shaped_engines()
+    expected = LLM(**config, attention_backend="reference").generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
 def test_decode_graph_helpers_compile_no_graph_of_their_own_for_one_row(gpu_shaped_engines, monkeypatch):
     """The decode graphs' helpers as the CUDA engine compiles them (compile.compiled_on_first_use), here under dynamo's
     eager backend, over buckets 16 to 1: take_decode_inputs takes two rows at batch 1 and the one-row bucket's layout
