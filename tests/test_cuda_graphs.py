@@ -333,6 +333,12 @@ def test_symbolic_decode_rows_and_prefill_tiles_compile_once_past_the_first_buck
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
+def symbolic_path_config(block_size: int) -> dict:
+    """An engine whose prefill buckets start at one tile, over a workspace (16-token pages) or in place (128)."""
+    return dict(max_num_seqs=16, max_num_batched_tokens=640, block_size=block_size,
+                num_kv_blocks=96 * 16 // block_size, max_model_len=128 if block_size == 16 else 384)
+
+
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_prefill_call_compiled_symbolic_from_its_first_call_is_one_graph(gpu_shaped_engines, monkeypatch, block_size):
     """flex_kernels.PREFILL_SYMBOLIC_FIRST on the CUDA engine's path on the CPU (dynamo's eager backend), over a
@@ -348,8 +354,7 @@ def test_prefill_call_compiled_symbolic_from_its_first_call_is_one_graph(gpu_sha
     monkeypatch.setattr(flex_kernels, "PREFILL_SYMBOLIC_FIRST", True)
     monkeypatch.setattr(flex_kernels, "SYMBOLIC_ON_CPU", True)
     prompts, params = mixed_traffic(n=16, temperature=0)
-    config = dict(max_num_seqs=16, max_num_batched_tokens=640, block_size=block_size,
-                  num_kv_blocks=96 * 16 // block_size, max_model_len=128 if block_size == 16 else 384)
+    config = symbolic_path_config(block_size)
     static = LLM(**config)
     assert prefill_buckets(static.llm_engine.runner)[0] == 1 and len(prefill_buckets(static.llm_engine.runner)) >= 3
     assert len(_debug_get_cache_entry_list(flex_kernels.flex_for_prefill.__code__)) == 1
@@ -364,7 +369,9 @@ def test_prefill_call_compiled_symbolic_from_its_first_call_is_one_graph(gpu_sha
 
 def strict_mask(rows: int, max_len: int, heads: int):
     """Causal, and raises (an index past a one-element tensor) on a request index past `rows` or a coordinate
-    outside [0, max_len): what an attention-gym mod indexing its captured tables would do."""
+    outside [0, max_len): what an attention-gym mod indexing its captured tables would do. (test_gym_mods' strict
+    mask reads the lengths as a per-request parameter, which LLM's check of a mod at its construction, with
+    parameters of 1, refuses: this one captures them.)"""
     guard, length = torch.zeros(1, dtype=torch.bool), torch.full((rows,), max_len)
 
     def strict(b, h, q_idx, kv_idx):
@@ -384,9 +391,8 @@ def test_the_gpu_paths_padding_never_reaches_a_strict_mod(gpu_shaped_engines, mo
     from flexengine.attention.backends import flex_kernels
     monkeypatch.setattr(flex_kernels, "SYMBOLIC_ON_CPU", True)
     prompts, params = mixed_traffic(n=16, temperature=0)
-    max_len = 128 if block_size == 16 else 384
-    config = dict(max_num_seqs=16, max_num_batched_tokens=640, block_size=block_size,
-                  mask_mod=strict_mask(16, max_len, 4), num_kv_blocks=96 * 16 // block_size, max_model_len=max_len)
+    config = symbolic_path_config(block_size)
+    config["mask_mod"] = strict_mask(config["max_num_seqs"], config["max_model_len"], 4)
     static = LLM(**config)
     before = compile_count()
     got = static.generate(prompts, params, use_tqdm=False)
