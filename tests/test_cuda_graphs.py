@@ -402,6 +402,40 @@ def test_the_gpu_paths_padding_never_reaches_a_strict_mod(gpu_shaped_engines, mo
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
+@pytest.mark.parametrize("flash", [False, True])
+def test_the_prefill_call_is_padded_exactly_where_it_runs_symbolic(gpu_shaped_engines, monkeypatch, flash):
+    """The CUDA engine's path on the CPU at 128-token pages (one-tile steps): a one-tile step's prefill call takes a
+    second, empty tile where the call is the symbolic one (the Triton kernel), and its own one tile where the kernel
+    compiles per bucket (`flash`: the prefill kernel reported as FA4's, as on an H200 at head size > 64; the call
+    itself still runs Triton's template here). Every call's rows match the lists it was given, and the tokens are the
+    reference backend's. Padding decided by the device alone (sessions 52-53) fails the FA4 case."""
+    from flexengine.attention.backends import flex, flex_kernels, prefill_kernel
+    from flexengine.attention.layout import Q_TILE
+    monkeypatch.setattr(flex_kernels, "SYMBOLIC_ON_CPU", True)
+    monkeypatch.setattr(prefill_kernel.PrefillKernel, "serves_flash", lambda self: flash)
+    calls = []  # (the layout's tiles, the call's q rows, the BlockMask's q blocks, whether it ran symbolic)
+    prefill = flex.FlexBackend.prefill
+
+    def recorded(self, fn, q, k, v, score_mod, block_mask, scale, gqa, meta):
+        calls.append((meta.layout.num_tiles, q.shape[2], block_mask.kv_num_blocks.shape[2],
+                      meta.backend_state["symbolic_prefill"]))
+        return prefill(self, fn, q, k, v, score_mod, block_mask, scale, gqa, meta)
+    monkeypatch.setattr(flex.FlexBackend, "prefill", recorded)
+    prompts, params = mixed_traffic(n=16, temperature=0)
+    config = symbolic_path_config(128)
+    static = LLM(**config)
+    calls.clear()
+    got = static.generate(prompts, params, use_tqdm=False)
+    assert any(tiles == 1 for tiles, *_ in calls) and any(tiles > 1 for tiles, *_ in calls), calls
+    for tiles, rows, blocks, symbolic in calls:
+        assert symbolic == (not flash), calls
+        padded = 2 if symbolic and tiles == 1 else tiles
+        assert rows == padded * Q_TILE and blocks == padded, (tiles, rows, blocks, symbolic)
+    gpu_shaped_engines()
+    expected = LLM(**config, attention_backend="reference").generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
 def test_decode_graph_helpers_compile_no_graph_of_their_own_for_one_row(gpu_shaped_engines, monkeypatch):
     """The decode graphs' helpers as the CUDA engine compiles them (compile.compiled_on_first_use), here under dynamo's
     eager backend, over buckets 16 to 1: take_decode_inputs takes two rows at batch 1 and the one-row bucket's layout

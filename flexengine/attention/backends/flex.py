@@ -58,8 +58,11 @@ class FlexBackend:
         another) of at least `pages` pages, whole KV tiles."""
         step = KV_TILE // math.gcd(block_size, KV_TILE)  # pages per whole number of KV tiles
         self.workspace_pages = -(-pages // step) * step
-        if self.direct(block_size, torch.device(device)):  # (its size still bounds what a tile lists)
-            self.q_tiles = self.prefill_kernel.q_tiles(torch.device(device), dtype, head_dim)
+        device = torch.device(device)
+        if self.compiled(device):  # (FA4 or Triton: prepare's padding of a step's call follows it)
+            self.prefill_kernel.decide(device, dtype, head_dim)
+        if self.direct(block_size, device):  # (its size still bounds what a tile lists)
+            self.q_tiles = self.prefill_kernel.q_tiles(device, dtype, head_dim)
             return
         shape = (self.workspace_pages, block_size, num_kv_heads, head_dim)
         self._workspace = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -138,6 +141,8 @@ class FlexBackend:
             meta.backend_state["view"] = self.compact(meta)
         view = meta.backend_state.get("view", meta)  # the metadata the kernels see
         masks, scores = meta.backend_state.setdefault("masks", {}), meta.backend_state.setdefault("scores", {})
+        if compiled and "call_tiles" not in meta.backend_state:
+            self.plan_prefill_call(meta)
         for mask_mod, score_mod in mods:
             if mask_mod not in masks:  # eager: dense masks instead, made when a layer first asks (dense_mask)
                 pages = self.workspace_pages if self.workspace_pages is not None else len(meta.ws_src)
@@ -147,6 +152,24 @@ class FlexBackend:
             if score_mod not in scores:
                 scores[score_mod] = (paged_score(view, score_mod, True),
                                      paged_score(view, score_mod, False, workspace=compiled and not direct, direct=direct))
+
+    def symbolic_calls(self, device: torch.device) -> bool:
+        """Whether flex calls may compile with symbolic rows here (symbolic_flex): an engine's (reserve_workspace)
+        compiled calls on CUDA, or on the CPU under the test hook."""
+        return ((device.type == "cuda" or flex_kernels.SYMBOLIC_ON_CPU) and self.workspace_pages is not None
+                and self.compiled(device))
+
+    def plan_prefill_call(self, meta: AttentionMetadata) -> None:
+        """Decide once a step, for the rows, the lists and the call alike (backend_state), whether the prefill call
+        runs symbolic (flex_kernels.PREFILL_DYNAMIC; not on FA4, which compiles one kernel for every bucket by itself)
+        and its q tiles: the layout's, or two for one where the symbolic call is compiled from its first call
+        (PREFILL_SYMBOLIC_FIRST: dynamo specialises a size of 1, and a one-tile call would compile a graph of its
+        own; the second tile lists no page, so the kernel computes nothing there)."""
+        lay, state = meta.layout, meta.backend_state
+        state["symbolic_prefill"] = symbolic = (flex_kernels.PREFILL_DYNAMIC and not self.prefill_kernel.serves_flash()
+                                                and self.symbolic_calls(meta.block_tables.device))
+        one_tile = lay.num_tiles == 1 and lay.q_tiles == 1
+        state["call_tiles"] = 2 if symbolic and flex_kernels.PREFILL_SYMBOLIC_FIRST and one_tile else lay.num_tiles
 
     def decode_heads_as_rows(self, flex, query, k, v, meta: AttentionMetadata, mask_mod, score_mod, scale):
         """Decode rows' attention on flex's attention template (takes_heads_as_rows): query [rows, Hq, D] as
@@ -235,8 +258,7 @@ class FlexBackend:
         that a static graph was compiled without fails its guard (a mixed step's decode rows compiled again after
         warm-up at 128-token pages). The functional API's calls, over pools of any size, compile per shape;
         Inductor's CPU template (tests only) fails to build a symbolic tile count on torch 2.13 (a C++ error)."""
-        if not (on and (query.is_cuda or flex_kernels.SYMBOLIC_ON_CPU) and self.workspace_pages is not None
-                and flex is compiled_flex()):
+        if not (on and self.symbolic_calls(query.device) and flex is compiled_flex()):
             return flex, k, v
         k, v = k.detach(), v.detach()
         torch._dynamo.mark_static(k)
@@ -247,8 +269,8 @@ class FlexBackend:
         """The prefill tiles' flex call, on FA4 or the Triton template (prefill_kernel.py)."""
         def call():
             options = self.prefill_kernel.options(q)
-            # (FA4 compiles one kernel for every bucket by itself, and its wide q blocks are one bucket's)
-            on = flex_kernels.PREFILL_DYNAMIC and "BACKEND" not in options
+            # (prepare's plan; after FA4 refused a mod, the Triton call of that step compiles for its bucket)
+            on = meta.backend_state["symbolic_prefill"] and "BACKEND" not in options
             fn, kc, vc = self.symbolic_flex(on, flex_for_prefill, flex, q, k, v)
             traced = contextlib.nullcontext()
             if fn is not flex:
@@ -297,7 +319,7 @@ class FlexBackend:
         if lay.num_tiles:  # the token buffer itself, as whole tiles: [1, Hq, Tp * Q_TILE, D], no gather
             if len(meta.ws_src) == 0:
                 raise ValueError("compiled flex prefill needs the workspace layout: plan_layout(..., block_size=P)")
-            R = call_tiles(lay.num_tiles, lay.q_tiles, query.is_cuda) * Q_TILE
+            R = call_tiles(meta) * Q_TILE
             assert R >= T, (R, T)
             kw, vw = (k, v) if self.direct(P, query.device) else self.gather_workspace(key_cache, value_cache, meta)
             qp = query if R == T else F.pad(query, (0, 0, 0, 0, 0, R - T))  # the engine pads; the functional API not

@@ -51,13 +51,10 @@ PREFILL_DYNAMIC = True
 PREFILL_SYMBOLIC_FIRST = True
 
 
-def call_tiles(num_tiles: int, q_tiles: int, on_cuda: bool) -> int:
-    """The prefill call's tiles for a step of `num_tiles` (the layout's): two for one where the symbolic call runs
-    under PREFILL_SYMBOLIC_FIRST (dynamo specialises a size of 1: a one-tile call would compile a graph of its own).
-    Where FA4 serves at one tile a q block the pad buys nothing (FA4 compiles per bucket by itself) and costs an
-    empty tile; the CPU's eager call takes none."""
-    symbolic = PREFILL_SYMBOLIC_FIRST and PREFILL_DYNAMIC and (on_cuda or SYMBOLIC_ON_CPU)
-    return 2 if symbolic and num_tiles == 1 and q_tiles == 1 else num_tiles
+def call_tiles(meta) -> int:
+    """The prefill call's q tiles this step, as FlexBackend.prepare decided them once for the rows, the lists and the
+    call alike (backend_state "call_tiles"); the layout's where nothing decided (the eager path's own metadata)."""
+    return meta.backend_state.get("call_tiles", meta.layout.num_tiles)
 
 
 @contextlib.contextmanager

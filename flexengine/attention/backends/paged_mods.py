@@ -124,7 +124,7 @@ def _prefill_rows(meta: AttentionMetadata):
         # an illegal address in the engine, without them); they take the last row's request and position, which
         # the mods may read (a dead row's are a live token's)
         lay, n = meta.layout, len(meta.prefill_req)
-        pad, tiles = -n % (lay.q_tiles * Q_TILE), call_tiles(lay.num_tiles, lay.q_tiles, meta.prefill_req.is_cuda)
+        pad, tiles = -n % (lay.q_tiles * Q_TILE), call_tiles(meta)
         if tiles > lay.num_tiles:  # a one-tile step's call of two, its second tile empty
             pad = tiles * Q_TILE - n
         more = lambda t: torch.cat([t, t[-1:].expand(pad)]).int() if pad else t.int()  # noqa: E731
@@ -223,8 +223,7 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
     lay, P = meta.layout, meta.block_size
     values = param_values(meta, mask_mod, MASK_ARGS)
     Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
-    # (flex_kernels.PREFILL_SYMBOLIC_FIRST: a one-tile step's call takes two)
-    empty = call_tiles(Tp, q_tiles, meta.block_tables.is_cuda) - Tp
+    empty = call_tiles(meta) - Tp  # (FlexBackend.prefill_call_tiles: a one-tile step's symbolic call takes two)
     dec = pre = None
     if Bd:
         M = meta.num_blocks

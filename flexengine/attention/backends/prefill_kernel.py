@@ -135,6 +135,12 @@ class PrefillKernel:
             return 1
         return fa4_q_tiles(device, head_dim)
 
+    def serves_flash(self) -> bool:
+        """Whether the prefill calls go to FA4, as decided so far (undecided: no)."""
+        if PREFILL_KERNEL_OPTIONS is not None:
+            return "BACKEND" in PREFILL_KERNEL_OPTIONS
+        return bool(self.flash)
+
     def options(self, query: torch.Tensor) -> dict:
         if PREFILL_KERNEL_OPTIONS is not None:
             return dict(PREFILL_KERNEL_OPTIONS)
