@@ -223,7 +223,7 @@ def build_block_masks(meta: AttentionMetadata, mask_mod, listed_only: bool, work
     lay, P = meta.layout, meta.block_size
     values = param_values(meta, mask_mod, MASK_ARGS)
     Bd, Tp = lay.num_decode * lay.decode_splits, lay.num_tiles
-    empty = call_tiles(meta) - Tp  # (FlexBackend.prefill_call_tiles: a one-tile step's symbolic call takes two)
+    empty = call_tiles(meta) - Tp  # (FlexBackend.plan_prefill_call: a one-tile step's symbolic call takes two)
     dec = pre = None
     if Bd:
         M = meta.num_blocks
