@@ -53,7 +53,8 @@ PREFILL_SYMBOLIC_FIRST = True
 
 def call_tiles(meta) -> int:
     """The prefill call's q tiles this step, as FlexBackend.prepare decided them once for the rows, the lists and the
-    call alike (backend_state "call_tiles"); the layout's where nothing decided (the eager path's own metadata)."""
+    call alike (backend_state "call_tiles"); the layout's for metadata no compiled prepare planned (a mask built
+    directly, as test_tile_page_lists does)."""
     return meta.backend_state.get("call_tiles", meta.layout.num_tiles)
 
 
