@@ -89,12 +89,22 @@ def compile_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+# The decode buckets between the powers of two (decode_buckets): 96, and past 128 one every DECODE_BUCKET_STEP rows.
+# Each bucket is a flex compile, a decode graph and a prompt-step graph per tile bucket at a fresh start; a step of
+# 65-96 rows on the 128 bucket pads its GEMMs (weight-bound there) and attends nothing on the padded rows, one of
+# 129-192 on the 256 bucket adds GEMM work where it starts to count. Knobs for a same-box A/B of both (issue 24;
+# scripts/decode_step_probe.py bucket_96=0, bucket_step=128).
+DECODE_BUCKET_96 = True
+DECODE_BUCKET_STEP = 64
+
+
 def decode_buckets(max_num_seqs: int) -> list[int]:
     """Decode batch sizes that get a compiled kernel and a CUDA graph: powers of two to 64, multiples of 32
     to 128, then of 64. Each costs a flex compile at start-up (about 1.6 s on the H100 with a cold Inductor
     cache: 20 buckets of 16 took 32-43 s of a 70 s start), while padding a decode step's rows costs little
     (the GEMMs read the weights once whatever the rows; padded rows attend nothing)."""
-    sizes = [1, 2, 4, 8, 16, 32, 64, 96, 128] + list(range(192, max_num_seqs, 64))
+    sizes = [1, 2, 4, 8, 16, 32, 64] + [96] * DECODE_BUCKET_96 + [128]
+    sizes += list(range(128 + DECODE_BUCKET_STEP, max_num_seqs, DECODE_BUCKET_STEP))
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 

@@ -19,6 +19,12 @@ from .policy import allow_recompiles, bucket, decode_buckets, tile_bucket, tile_
 
 logger = logging.getLogger(__name__)
 
+# Capture at start-up the plan graphs of steps past the whole graphs' tiles (mixed_graphs.py), one per (tile bucket,
+# decode bucket) past 16 tiles, each after an eager run of its plan and its model. False: each is captured when a step
+# first meets it, as any key the start-up did not capture (a one-time cost of that step). A knob for a same-box A/B of
+# a fresh start (issue 24; scripts/decode_step_probe.py plan_graphs_at_start=0).
+CAPTURE_PLAN_GRAPHS = True
+
 
 def compile_steps(runner) -> None:
     """Start-up's compile work, before the first request. Static shapes (flex): one step per prefill bucket,
@@ -173,7 +179,7 @@ def capture_mixed_graphs(runner) -> int:
             # the bucket's decode rows (as few real ones as pad to it) and prompts filling its tiles
             num_decode = next((n for n in range(1, rows + 1) if bucket(n, buckets) == rows), 0) if rows else 0
             lengths = prompt_lengths(runner, tiles, beside=num_decode)
-            if lengths is not None:
+            if lengths is not None and (CAPTURE_PLAN_GRAPHS or tiles <= graphs.max_tiles):
                 layouts.append((tiles, num_decode, lengths))
     with torch.inference_mode():
         for tiles, num_decode, lengths in progress(runner, layouts, "Capturing prompt-step CUDA graphs"):

@@ -26,6 +26,10 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
     python3 scripts/decode_step_probe.py default,cos_sin_kernel=0 -- latency ...  # cos/sin from Inductor's kernel
     python3 scripts/decode_step_probe.py default,prefill_symbolic_first=0 -- latency ...  # two prefill graphs, no pad
     python3 scripts/decode_step_probe.py default,combo_kernels=0 -- latency ...  # FLEXENGINE_COMBO_KERNELS=0
+    python3 scripts/decode_step_probe.py default,bucket_96=0,bucket_step=128 -- latency ... --max-num-seqs 256
+        # no decode bucket 96 nor 192 (compile/policy.py): batch 96 runs on 128's graph, 192 on 256's
+    python3 scripts/decode_step_probe.py default,plan_graphs_at_start=0 -- throughput ...  # long steps' plan graphs
+        # captured when first met (compile/warmup.py's CAPTURE_PLAN_GRAPHS), not at start-up
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
 query rows (flex_kernels.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
@@ -53,7 +57,8 @@ KEYS = ("BLOCK_N", "num_stages", "num_warps")
 ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "gate_up_rows", "persistent_up_to",
                "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks", "heads_as_rows",
                "heads_block_n", "heads_num_warps", "heads_num_stages", "prefill_dynamic", "decode_dynamic",
-               "zero_first_deltas", "cos_sin_kernel", "prefill_symbolic_first", "combo_kernels")
+               "zero_first_deltas", "cos_sin_kernel", "prefill_symbolic_first", "combo_kernels", "bucket_96",
+               "bucket_step", "plan_graphs_at_start")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -124,6 +129,10 @@ def apply(options: dict | None, engine: dict) -> None:
     from flexengine.models import decoder
     decoder.ZERO_FIRST_DELTAS = bool(engine.get("zero_first_deltas", decoder.ZERO_FIRST_DELTAS))
     rotary.COS_SIN_KERNEL = bool(engine.get("cos_sin_kernel", rotary.COS_SIN_KERNEL))
+    from flexengine.compile import policy, warmup
+    policy.DECODE_BUCKET_96 = bool(engine.get("bucket_96", policy.DECODE_BUCKET_96))
+    policy.DECODE_BUCKET_STEP = engine.get("bucket_step", policy.DECODE_BUCKET_STEP)
+    warmup.CAPTURE_PLAN_GRAPHS = bool(engine.get("plan_graphs_at_start", warmup.CAPTURE_PLAN_GRAPHS))
     if "combo_kernels" in engine:  # FLEXENGINE_COMBO_KERNELS: the step helpers' and the batch-1 regions' (read at use)
         from flexengine.config import COMBO_KERNELS_ENV
         os.environ[COMBO_KERNELS_ENV] = str(int(bool(engine["combo_kernels"])))

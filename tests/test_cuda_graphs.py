@@ -22,6 +22,16 @@ def test_buckets():
     assert decode_buckets(20) == [1, 2, 4, 8, 16, 20] and decode_buckets(1) == [1]
 
 
+def test_buckets_without_the_ones_between_powers(monkeypatch):
+    """compile/policy.py's knobs for a start-up A/B: no 96, and past 128 a bucket every 128 rows."""
+    from flexengine.compile import policy
+    monkeypatch.setattr(policy, "DECODE_BUCKET_96", False)
+    monkeypatch.setattr(policy, "DECODE_BUCKET_STEP", 128)
+    assert decode_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert decode_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]
+    assert decode_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
 def fake_seq(i, n, pages):
     s = Sequence(request_id=str(i), index=0, token_ids=[(7 * i + j) % 200 + 1 for j in range(n)],
                  num_prompt_tokens=n, params=None)
