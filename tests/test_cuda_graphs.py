@@ -177,18 +177,22 @@ def test_graphs_equal_eager_and_no_recompiles_after_warm_up(monkeypatch):
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out_eager))
     assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ between graphs and eager"
     del eager
-    from flexengine.compile import mixed_graphs
-    for flags, how, whole_tiles in ((dict(num_scheduler_steps=4), "with 4 steps per schedule", 16),
-                                    (dict(async_scheduling=True), "with async scheduling, steps of 3-4 tiles "
-                                     "from graphs of their plan and metadata alone", 2)):
+    from flexengine.compile import mixed_graphs, warmup
+    for flags, how, whole_tiles, at_start in (
+            (dict(num_scheduler_steps=4), "with 4 steps per schedule", 16, True),
+            (dict(async_scheduling=True), "with async scheduling, steps of 3-4 tiles from graphs of their plan and "
+             "metadata alone", 2, True),
+            (dict(async_scheduling=True), "with async scheduling, those plan graphs captured when first met", 2, False)):
         monkeypatch.setattr(mixed_graphs, "MAX_GRAPH_TILES", whole_tiles)
+        monkeypatch.setattr(warmup, "CAPTURE_PLAN_GRAPHS", at_start)
         llm = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, attention_backend="flex", **flags)
-        assert bool(llm.llm_engine.runner.mixed_graphs.plan_graphs) == (whole_tiles < 4)
+        assert bool(llm.llm_engine.runner.mixed_graphs.plan_graphs) == (whole_tiles < 4 and at_start)
         before = compile_count()
         out = llm.generate(prompts, params, use_tqdm=False)
         assert compile_count() == before, f"a shape compiled after warm-up ({how})"
         same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(out_graphs, out))
         assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} requests differ {how}"
+        assert bool(llm.llm_engine.runner.mixed_graphs.plan_graphs) == (whole_tiles < 4)
         del llm
 
 
@@ -801,6 +805,32 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines, 
     assert set(met) <= keys, "traffic met a layout start-up did not capture"
     assert len(set(met)) >= 4  # several decode buckets beside prompts
     assert {graphs.whole(k) for k in met} == ({True} if whole_tiles == 16 else {True, False})
+
+
+def test_plan_graphs_left_to_first_use_compile_nothing_after_warm_up(gpu_shaped_engines, monkeypatch):
+    """warmup.CAPTURE_PLAN_GRAPHS off (a start-up knob): start-up prepares the whole graphs' keys alone, traffic
+    meets the 2-tile keys past them (their plan and metadata alone) at run time, which compiles nothing after
+    warm-up, and the tokens are the eager engine's."""
+    from flexengine.compile import mixed_graphs, warmup
+    monkeypatch.setattr(mixed_graphs, "MAX_GRAPH_TILES", 1)
+    monkeypatch.setattr(warmup, "CAPTURE_PLAN_GRAPHS", False)
+    config = dict(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=96, max_model_len=96)
+    llm = LLM(**config)
+    graphs = llm.llm_engine.runner.mixed_graphs
+    graphs.decode_shape.clear()  # (as above: on CPU the prepared keys are what counts)
+    warmup.capture_mixed_graphs(llm.llm_engine.runner)
+    assert {k.num_tiles for k in graphs.decode_shape} == {1}
+    met = []
+    run = graphs.run
+    graphs.run = lambda *args, **kw: met.append(args[4]) or run(*args, **kw)
+    prompts, params = mixed_traffic(n=40, max_len=90, max_tokens=20, temperature=0)
+    before = compile_count()
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert compile_count() == before, "a shape compiled after warm-up"
+    assert any(not graphs.whole(k) for k in met), "traffic met no plan-only key: the test would see nothing"
+    gpu_shaped_engines()
+    expected = LLM(**config, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
 def test_compiled_take_inputs_and_rotary_tables_equal_eager(monkeypatch, tmp_path):
