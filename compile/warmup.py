@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 # Capture at start-up the plan graphs of steps past the whole graphs' tiles (mixed_graphs.py), one per (tile bucket,
 # decode bucket) past 16 tiles (72 of 130 at the default budget), each after an eager run of its plan and its model.
 # False: each is captured when a step first meets it, as any key the start-up did not capture (a one-time cost of
-# that step). A knob for a same-box A/B of a fresh start (issue 24; scripts/decode_step_probe.py plan_graphs_at_start=0).
+# that step). A knob for a same-box A/B of a fresh start (issue 24; decode_step_probe.py's plan_graphs_at_start=0).
 CAPTURE_PLAN_GRAPHS = True
 
 

@@ -180,9 +180,10 @@ def test_graphs_equal_eager_and_no_recompiles_after_warm_up(monkeypatch):
     from flexengine.compile import mixed_graphs, warmup
     for flags, how, whole_tiles, at_start in (
             (dict(num_scheduler_steps=4), "with 4 steps per schedule", 16, True),
-            (dict(async_scheduling=True), "with async scheduling, steps of 3-4 tiles from graphs of their plan and "
-             "metadata alone", 2, True),
-            (dict(async_scheduling=True), "with async scheduling, those plan graphs captured when first met", 2, False)):
+            (dict(async_scheduling=True), "with async scheduling, steps of 3-4 tiles from graphs of their plan "
+             "and metadata alone", 2, True),
+            (dict(async_scheduling=True), "with async scheduling, the plan graphs captured when first met", 2,
+             False)):
         monkeypatch.setattr(mixed_graphs, "MAX_GRAPH_TILES", whole_tiles)
         monkeypatch.setattr(warmup, "CAPTURE_PLAN_GRAPHS", at_start)
         llm = LLM(max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=4096, attention_backend="flex", **flags)
