@@ -3,8 +3,8 @@
     python -m flexengine.benchmarks.compare_transformers --model DIR --num-prompts 256 --input-len 256 \
         --output-len 256 [--tf-num-prompts N] [--batch1]
 
-Throughput: transformers' continuous batching (`model.generate_batch`, attn_implementation
-"paged|sdpa") against `flexengine.LLM.generate`, both generating exactly --output-len tokens per
+Throughput: transformers' continuous batching (`model.generate_batch`, paged sdpa: attn_implementation
+"paged|sdpa", or "sdpa" on a transformers that pages it by itself) against `flexengine.LLM.generate`, both generating exactly --output-len tokens per
 prompt (EOS disabled), greedy by default. transformers' time is its generation span (first request
 created → last finished, so its own CUDA-graph warm-up is excluded, as flexengine's cold start is);
 the wall time of the whole generate_batch call is printed too. --batch1: ms/token of transformers
@@ -36,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="both engines; 0 is greedy")
-    p.add_argument("--tf-attn-implementation", default="paged|sdpa", help="for generate_batch")
+    p.add_argument("--tf-attn-implementation", default=None,
+                   help="for generate_batch (default: paged|sdpa where this transformers lists it, as 5.17 does; "
+                        "else sdpa, which later ones page by themselves)")
     p.add_argument("--tf-num-blocks", type=int, default=None, help="generate_batch KV blocks (default: auto)")
     p.add_argument("--tf-max-batch-tokens", type=int, default=None, help="generate_batch token budget (default: auto)")
     p.add_argument("--batch1", action="store_true", help="also compare batch-1 decode ms/token")
@@ -92,6 +94,14 @@ def cb_config(args, num_prompts: int):
     return ContinuousBatchingConfig(seed=args.seed, **{k: v for k, v in sizes.items() if v is not None})
 
 
+def paged_sdpa() -> str:
+    """generate_batch's paged sdpa by this transformers' name for it: "paged|sdpa" where its AttentionInterface
+    lists that (5.17, the GPU boxes'), else "sdpa" (5.24 pages it by itself, warns at the prefix and says it
+    drops it)."""
+    from transformers import AttentionInterface
+    return "paged|sdpa" if "paged|sdpa" in AttentionInterface() else "sdpa"
+
+
 def transformers_generate_batch(args, prompts: list[list[int]]) -> tuple[dict | None, str]:
     """(row, note): generate_batch's output tok/s, or None and the reason it cannot be measured."""
     import transformers
@@ -99,10 +109,11 @@ def transformers_generate_batch(args, prompts: list[list[int]]) -> tuple[dict | 
         from transformers.generation import ContinuousBatchingConfig  # noqa: F401  (5.x only)
     except ImportError as e:
         return None, f"transformers {transformers.__version__} has no ContinuousBatchingConfig: {e}"
+    attn_implementation = args.tf_attn_implementation or paged_sdpa()
     try:
-        model = load_hf_model(args.model, args.dtype, args.tf_attn_implementation)
+        model = load_hf_model(args.model, args.dtype, attn_implementation)
     except (ValueError, ImportError) as e:
-        return None, f"could not load the model with attn_implementation={args.tf_attn_implementation!r}: {e}"
+        return None, f"could not load the model with attn_implementation={attn_implementation!r}: {e}"
     if not hasattr(model, "generate_batch"):
         return None, f"transformers {transformers.__version__} has no generate_batch"
     gen = generation_config(args.output_len, args.temperature)
@@ -111,7 +122,7 @@ def transformers_generate_batch(args, prompts: list[list[int]]) -> tuple[dict | 
                               continuous_batching_config=cb_config(args, len(prompts)), progress_bar=False)
     except MemoryError as e:  # its cache sizing; on CPU, 5.17 sees 0 bytes free without psutil
         return None, f"generate_batch could not size its KV cache: {e}"
-    attn = f"{args.tf_attn_implementation}, config says {model.config._attn_implementation}"
+    attn = f"{attn_implementation}, config says {model.config._attn_implementation}"
     del model
     outs = list(results.values())
     failed = [o for o in outs if o.error is not None]
@@ -125,7 +136,7 @@ def transformers_generate_batch(args, prompts: list[list[int]]) -> tuple[dict | 
     # time to first token, where this transformers records token times (perf_counter, as created_time)
     ttft = ttft_summary([o.timestamps[0] - o.created_time for o in outs if getattr(o, "timestamps", None)])
     note = f"transformers generate_batch: attn {attn}; call wall {wall:.2f} s (incl. its warm-up), span {span:.2f} s"
-    return dict(engine=f"transformers {transformers.__version__} generate_batch ({args.tf_attn_implementation})",
+    return dict(engine=f"transformers {transformers.__version__} generate_batch ({attn_implementation})",
                 prompts=len(prompts), seconds=span, wall_s=wall, ttft=ttft), note
 
 
