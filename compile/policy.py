@@ -108,6 +108,28 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 
+# The decode rows of a step with prompt tokens (a mixed step) padded to the decode buckets that are powers of this base
+# (and the largest); None: to every decode bucket. Each decode bucket a mixed step takes is a prompt-step graph per
+# tile bucket at start-up (10-11 each at the default budget, ~130 in all). A padded decode row there has no token
+# row (no GEMM work) and attends nothing, but a step of few decode rows on a larger bucket splits each row's pages
+# fewer times (choose_decode_splits: the programs go to the padded rows' empty splits). A knob for a same-box A/B of
+# a fresh start against long-context mixed steps (issue 24; decode_step_probe.py's mixed_bucket_base=4: 66 graphs).
+MIXED_DECODE_BASE: int | None = None
+
+
+def mixed_decode_buckets(max_num_seqs: int) -> list[int]:
+    """The decode buckets (decode_buckets) that a mixed step's decode rows are padded to (MIXED_DECODE_BASE)."""
+    buckets = decode_buckets(max_num_seqs)
+    if MIXED_DECODE_BASE is None:
+        return buckets
+    assert MIXED_DECODE_BASE >= 2, MIXED_DECODE_BASE
+    powers, p = set(), 1
+    while p <= max_num_seqs:
+        powers.add(p)
+        p *= MIXED_DECODE_BASE
+    return [b for b in buckets if b in powers or b == buckets[-1]]
+
+
 def bucket(n: int, buckets: list[int]) -> int:
     """The smallest bucket holding n (n itself past the largest)."""
     return next((b for b in buckets if b >= n), n)

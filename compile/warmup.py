@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .policy import allow_recompiles, bucket, decode_buckets, tile_bucket, tile_buckets
+from .policy import allow_recompiles, bucket, decode_buckets, mixed_decode_buckets, tile_bucket, tile_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -164,13 +164,13 @@ def run_dummy(runner, seqs: list, num_new_tokens: list[int]) -> None:
 
 
 def capture_mixed_graphs(runner) -> int:
-    """Capture the graph of every step layout with prompt tokens (decode bucket or none, times prefill tile
+    """Capture the graph of every step layout with prompt tokens (mixed decode bucket or none, times prefill tile
     bucket): the whole step's up to max_tiles, the plan and metadata's past it; so that none is captured while
     requests wait. Then run the logits GEMM at every row count such a step can sample (cuBLAS loads kernels on
     first use). Returns how many graphs were captured."""
     from ..engine.scheduler import ScheduledBatch
     graphs, cfg = runner.mixed_graphs, runner.config
-    buckets = decode_buckets(cfg.max_num_seqs)
+    buckets = mixed_decode_buckets(cfg.max_num_seqs)
     top = min(graphs.plan_tiles, max_prefill_tiles(cfg.max_num_batched_tokens))
     before = len(graphs.graphs) + len(graphs.plan_graphs)
     layouts = []  # (tiles, decode rows, prompt lengths) of every step layout a graph serves

@@ -30,6 +30,8 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
         # no decode bucket 96 nor 192 (compile/policy.py): batch 96 runs on 128's graph, 192 on 256's
     python3 scripts/decode_step_probe.py default,plan_graphs_at_start=0 -- throughput ...  # long steps' plan graphs
         # captured when first met (compile/warmup.py's CAPTURE_PLAN_GRAPHS), not at start-up
+    python3 scripts/decode_step_probe.py default,mixed_bucket_base=4 -- throughput ...  # a mixed step's decode rows
+        # on the decode buckets 1, 4, 16, 64, 256 alone (compile/policy.py's MIXED_DECODE_BASE)
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
 query rows (flex_kernels.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);
@@ -58,7 +60,7 @@ ENGINE_KEYS = ("combo_up_to", "programs_per_sm", "few_rows", "rotary_store", "ga
                "head_rows", "decode_partial_rows", "down_split_rows", "argmax_chunks", "heads_as_rows",
                "heads_block_n", "heads_num_warps", "heads_num_stages", "prefill_dynamic", "decode_dynamic",
                "zero_first_deltas", "cos_sin_kernel", "prefill_symbolic_first", "combo_kernels", "bucket_96",
-               "bucket_step", "plan_graphs_at_start")
+               "bucket_step", "plan_graphs_at_start", "mixed_bucket_base")
 
 
 def parse(text: str) -> tuple[dict | None, dict]:
@@ -133,6 +135,7 @@ def apply(options: dict | None, engine: dict) -> None:
     policy.DECODE_BUCKET_96 = bool(engine.get("bucket_96", policy.DECODE_BUCKET_96))
     policy.DECODE_BUCKET_STEP = engine.get("bucket_step", policy.DECODE_BUCKET_STEP)
     warmup.CAPTURE_PLAN_GRAPHS = bool(engine.get("plan_graphs_at_start", warmup.CAPTURE_PLAN_GRAPHS))
+    policy.MIXED_DECODE_BASE = engine.get("mixed_bucket_base", policy.MIXED_DECODE_BASE) or None  # (0: every bucket)
     if "combo_kernels" in engine:  # FLEXENGINE_COMBO_KERNELS: the step helpers' and the batch-1 regions' (read at use)
         from flexengine.config import COMBO_KERNELS_ENV
         os.environ[COMBO_KERNELS_ENV] = str(int(bool(engine["combo_kernels"])))

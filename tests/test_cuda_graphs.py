@@ -808,6 +808,36 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines, 
     assert {graphs.whole(k) for k in met} == ({True} if whole_tiles == 16 else {True, False})
 
 
+def test_mixed_steps_on_fewer_decode_buckets_compile_nothing_after_warm_up(gpu_shaped_engines, monkeypatch):
+    """policy.MIXED_DECODE_BASE 4 (a start-up knob): the decode rows beside prompt tokens pad to the decode buckets
+    1, 4 and 16 alone (of 1-16); start-up prepares those keys alone, traffic meets no other, compiles nothing after
+    warm-up (the decode rows' shapes are decode buckets' too), and the tokens are the eager engine's."""
+    from flexengine.compile import policy, warmup
+    monkeypatch.setattr(policy, "MIXED_DECODE_BASE", 4)
+    config = dict(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=96, max_model_len=96)
+    llm = LLM(**config)
+    runner = llm.llm_engine.runner
+    assert runner.decode_buckets == [1, 2, 4, 8, 16] and runner.mixed_decode_buckets == [1, 4, 16]
+    graphs = runner.mixed_graphs
+    graphs.decode_shape.clear()  # (as above: on CPU the prepared keys are what counts)
+    warmup.capture_mixed_graphs(runner)
+    keys = set(graphs.decode_shape)
+    assert {(k.num_decode, k.num_tiles) for k in keys} == {(d, t) for d in (0, 1, 4, 16) for t in (1, 2)}
+    met = []
+    run = graphs.run
+    graphs.run = lambda *args, **kw: met.append(args[4]) or run(*args, **kw)
+    traffic = [mixed_traffic(n=n, seed=n, max_len=90, max_tokens=20, temperature=0) for n in (6, 40)]  # (few, many)
+    before = compile_count()
+    got = [llm.generate(prompts, params, use_tqdm=False) for prompts, params in traffic]
+    assert compile_count() == before, "a shape compiled after warm-up"
+    assert set(met) <= keys and {k.num_decode for k in met} >= {4, 16}, set(met)
+    gpu_shaped_engines()
+    eager = LLM(**config, enforce_eager=True)
+    for (prompts, params), outputs in zip(traffic, got):
+        expected = eager.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+
+
 def test_plan_graphs_left_to_first_use_compile_nothing_after_warm_up(gpu_shaped_engines, monkeypatch):
     """warmup.CAPTURE_PLAN_GRAPHS off (a start-up knob): start-up prepares the whole graphs' keys alone, traffic
     meets the 2-tile keys past them (their plan and metadata alone) at run time, which compiles nothing after

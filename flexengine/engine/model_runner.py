@@ -28,8 +28,8 @@ from ..attention.metadata import AttentionMetadata, build_metadata
 from ..attention.layout import (Q_TILE, choose_decode_splits, segment_capacity, split_rows_or_programs,
                                 workspace_tokens)
 from ..attention.staging import to_device
-from ..compile import (bucket, decode_buckets, fused_elementwise, start_compile_workers, tile_bucket,
-                       unoptimised_launcher_builds, wide_q_tiles)
+from ..compile import (bucket, decode_buckets, fused_elementwise, mixed_decode_buckets, start_compile_workers,
+                       tile_bucket, unoptimised_launcher_builds, wide_q_tiles)
 from ..compile import mixed_graphs
 from ..compile.mixed_graphs import MixedKey, graph_workspace_pages
 from ..compile.warmup import max_prefill_tiles
@@ -120,6 +120,7 @@ class ModelRunner(DecodeGraphSteps):
         self.sampling = SamplingInputs(self.device, self.vocab_size, self.config.max_num_seqs)
         self.block_size = config.block_size
         self.decode_buckets = decode_buckets(config.max_num_seqs)  # the decode steps' padded batch sizes
+        self.mixed_decode_buckets = mixed_decode_buckets(config.max_num_seqs)  # (decode rows beside prompt tokens)
         self.mods = [(a.mask_mod, a.score_mod) for a in self.layers]
         self.mod_params = mod_params(self.mods)  # {name: its dtype, fixed here, and the mod reading it}
         self.compiled = wants_compile(self.device, config.enforce_eager)  # fused kernels and CUDA graphs
@@ -237,7 +238,8 @@ class ModelRunner(DecodeGraphSteps):
             return {}
         num_decode = int((query_lens == 1).sum())
         tiles = tile_bucket(-(-int(query_lens.sum()) // Q_TILE)) if num_decode < len(query_lens) else 0
-        rows = bucket(num_decode, self.decode_buckets) if num_decode else 0
+        buckets = self.mixed_decode_buckets if tiles else self.decode_buckets
+        rows = bucket(num_decode, buckets) if num_decode else 0
         wide = wide_q_tiles(getattr(self.backend, "q_tiles", 1), query_lens, seq_lens, tiles, self.max_prefill_tiles)
         return dict(pad_decode_to=rows, pad_tiles_to=tiles, q_tiles=wide,
                     pad_segments_to=segment_capacity(tiles, self.config.max_num_seqs),
