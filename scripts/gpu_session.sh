@@ -33,8 +33,9 @@
 # small_batch_leads (at SMALL_BATCHES, default "8 32": the default, scripts/kv_write_autotune.py,
 # FLEXENGINE_SPLIT_KV=kernel, one_row_parts.py's "rows"; Inductor's source of the rotary + KV-write kernel),
 # decode_tiles (flex's decode tile options, DECODE_VARIANTS of scripts/decode_step_probe.py: the attention
-# table's decode rows (with ATTN_ARGS, e.g. "--head-dim 64 --decode-cases 32x256,32x4096"), then bench latency at SMALL_BATCHES, for each), buckets_ab (bench latency at BUCKET_BATCHES, default "96 192", on 256-request engines, alternating
-# BUCKET_VARIANTS of decode_step_probe.py: each batch on its own decode bucket, then on the next power of two's),
+# table's decode rows (with ATTN_ARGS, e.g. "--head-dim 64 --decode-cases 32x256,32x4096"), then bench latency at SMALL_BATCHES, for each),
+# buckets_ab (bench latency at BUCKET_BATCHES, default "96 192", on 256-request engines, alternating BUCKET_VARIANTS
+# of decode_step_probe.py: each batch on its own decode bucket, then on the next power of two's),
 # decode_variants (bench latency at SMALL_BATCHES
 # for each of DECODE_STEP_VARIANTS, decode_step_probe.py's option lists; default "default default,combo_up_to=32": combo
 # kernels in the batch-1 graph only, then up to batch 32), throughput_tiles (256^3 bench throughput per
@@ -279,7 +280,8 @@ for stage in "$@"; do
                scripts/decode_step_probe.py "$o" -- latency $(latency_4k "$b"); done; done ;;
     buckets_ab) model && for b in ${BUCKET_BATCHES:-96 192}; do  # issue 24: a batch between the powers of two on its own
              # bucket or on the next power's (compile/policy.py's DECODE_BUCKET_96, DECODE_BUCKET_STEP), alternating
-             for o in ${BUCKET_VARIANTS:-default default,bucket_96=0,bucket_step=128 default default,bucket_96=0,bucket_step=128}; do
+             ab="default default,bucket_96=0,bucket_step=128"
+             for o in ${BUCKET_VARIANTS:-$ab $ab}; do
              step "latency_b${b}_${o//,/+}" 200 python3 scripts/decode_step_probe.py "$o" -- latency \
                $(latency_4k "$b") --max-num-seqs 256; done; done ;;
     decode_variants) model && for b in ${SMALL_BATCHES:-8 32}; do for o in ${DECODE_STEP_VARIANTS:-default default,combo_up_to=32}; do

@@ -4,10 +4,10 @@
         --output-len 256 [--tf-num-prompts N] [--batch1]
 
 Throughput: transformers' continuous batching (`model.generate_batch`, paged sdpa: attn_implementation
-"paged|sdpa", or "sdpa" on a transformers that pages it by itself) against `flexengine.LLM.generate`, both generating exactly --output-len tokens per
-prompt (EOS disabled), greedy by default. transformers' time is its generation span (first request
-created → last finished, so its own CUDA-graph warm-up is excluded, as flexengine's cold start is);
-the wall time of the whole generate_batch call is printed too. --batch1: ms/token of transformers
+"paged|sdpa", or "sdpa" on a transformers that pages it by itself) against `flexengine.LLM.generate`, both
+generating exactly --output-len tokens per prompt (EOS disabled), greedy by default. transformers' time is its
+generation span (first request created → last finished, so its own CUDA-graph warm-up is excluded, as
+flexengine's cold start is); the wall time of the whole generate_batch call is printed too. --batch1: ms/token of transformers
 `generate` at batch 1 (dynamic and static cache) against flexengine, as `bench latency` measures it.
 A transformers row that cannot run on the installed version is left out with the reason printed.
 Time to first token: from each request's arrival (all arrive at the start, so queueing counts, as in
