@@ -781,26 +781,40 @@ def test_float_parameters_run_on_the_decode_graphs_without_recompiles(gpu_shaped
     assert got[0] != got[1], "the caps changed nothing: the test would not see them ignored"
 
 
+MIXED_KEYS_CONFIG = dict(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=96, max_model_len=96)
+
+
+def prepared_mixed_keys(runner) -> set:
+    """The mixed-graph keys capture_mixed_graphs prepares (on CPU nothing is captured at start-up; the keys are
+    what counts)."""
+    from flexengine.compile.warmup import capture_mixed_graphs
+    runner.mixed_graphs.decode_shape.clear()
+    capture_mixed_graphs(runner)
+    return set(runner.mixed_graphs.decode_shape)
+
+
+def mixed_keys_met(graphs) -> list:
+    """The key of every step MixedGraphRunner.run serves from here on."""
+    met = []
+    run = graphs.run
+    graphs.run = lambda *args, **kw: met.append(args[4]) or run(*args, **kw)
+    return met
+
+
 @pytest.mark.parametrize("whole_tiles", [16, 1])
 def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines, whole_tiles, monkeypatch):
     """capture_mixed_graphs prepares one key per (decode bucket or none, tile bucket); mixed traffic
     then meets no step layout with prompt tokens that start-up did not prepare; also where the 2-tile keys
     are past the whole graphs' tiles (their plan and metadata alone)."""
     from flexengine.compile import mixed_graphs
-    from flexengine.compile.warmup import capture_mixed_graphs
     monkeypatch.setattr(mixed_graphs, "MAX_GRAPH_TILES", whole_tiles)
-    llm = LLM(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=96, max_model_len=96)
-    runner = llm.llm_engine.runner
-    graphs = runner.mixed_graphs
-    graphs.decode_shape.clear()  # on CPU nothing is captured at start-up; the keys are what counts
-    capture_mixed_graphs(runner)
-    keys = set(graphs.decode_shape)
+    llm = LLM(**MIXED_KEYS_CONFIG)
+    graphs = llm.llm_engine.runner.mixed_graphs
+    keys = prepared_mixed_keys(llm.llm_engine.runner)
     # a step of 256 tokens is at most 2 tiles of the packed token buffer, whatever its requests
     expected = {(d, t) for d in (0, 1, 2, 4, 8, 16) for t in (1, 2)}
     assert {(k.num_decode, k.num_tiles) for k in keys} == expected
-    met = []
-    run = graphs.run
-    graphs.run = lambda *args, **kw: met.append(args[4]) or run(*args, **kw)
+    met = mixed_keys_met(graphs)
     prompts, params = mixed_traffic(n=40, max_len=90, max_tokens=20, temperature=0)
     llm.generate(prompts, params, use_tqdm=False)
     assert set(met) <= keys, "traffic met a layout start-up did not capture"
@@ -812,27 +826,21 @@ def test_mixed_steps_on_fewer_decode_buckets_compile_nothing_after_warm_up(gpu_s
     """policy.MIXED_DECODE_BASE 4 (a start-up knob): the decode rows beside prompt tokens pad to the decode buckets
     1, 4 and 16 alone (of 1-16); start-up prepares those keys alone, traffic meets no other, compiles nothing after
     warm-up (the decode rows' shapes are decode buckets' too), and the tokens are the eager engine's."""
-    from flexengine.compile import policy, warmup
+    from flexengine.compile import policy
     monkeypatch.setattr(policy, "MIXED_DECODE_BASE", 4)
-    config = dict(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=96, max_model_len=96)
-    llm = LLM(**config)
+    llm = LLM(**MIXED_KEYS_CONFIG)
     runner = llm.llm_engine.runner
     assert runner.decode_buckets == [1, 2, 4, 8, 16] and runner.mixed_decode_buckets == [1, 4, 16]
-    graphs = runner.mixed_graphs
-    graphs.decode_shape.clear()  # (as above: on CPU the prepared keys are what counts)
-    warmup.capture_mixed_graphs(runner)
-    keys = set(graphs.decode_shape)
+    keys = prepared_mixed_keys(runner)
     assert {(k.num_decode, k.num_tiles) for k in keys} == {(d, t) for d in (0, 1, 4, 16) for t in (1, 2)}
-    met = []
-    run = graphs.run
-    graphs.run = lambda *args, **kw: met.append(args[4]) or run(*args, **kw)
+    met = mixed_keys_met(runner.mixed_graphs)
     traffic = [mixed_traffic(n=n, seed=n, max_len=90, max_tokens=20, temperature=0) for n in (6, 40)]  # (few, many)
     before = compile_count()
     got = [llm.generate(prompts, params, use_tqdm=False) for prompts, params in traffic]
     assert compile_count() == before, "a shape compiled after warm-up"
     assert set(met) <= keys and {k.num_decode for k in met} >= {4, 16}, set(met)
     gpu_shaped_engines()
-    eager = LLM(**config, enforce_eager=True)
+    eager = LLM(**MIXED_KEYS_CONFIG, enforce_eager=True)
     for (prompts, params), outputs in zip(traffic, got):
         expected = eager.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
@@ -845,22 +853,17 @@ def test_plan_graphs_left_to_first_use_compile_nothing_after_warm_up(gpu_shaped_
     from flexengine.compile import mixed_graphs, warmup
     monkeypatch.setattr(mixed_graphs, "MAX_GRAPH_TILES", 1)
     monkeypatch.setattr(warmup, "CAPTURE_PLAN_GRAPHS", False)
-    config = dict(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=96, max_model_len=96)
-    llm = LLM(**config)
+    llm = LLM(**MIXED_KEYS_CONFIG)
     graphs = llm.llm_engine.runner.mixed_graphs
-    graphs.decode_shape.clear()  # (as above: on CPU the prepared keys are what counts)
-    warmup.capture_mixed_graphs(llm.llm_engine.runner)
-    assert {k.num_tiles for k in graphs.decode_shape} == {1}
-    met = []
-    run = graphs.run
-    graphs.run = lambda *args, **kw: met.append(args[4]) or run(*args, **kw)
+    assert {k.num_tiles for k in prepared_mixed_keys(llm.llm_engine.runner)} == {1}
+    met = mixed_keys_met(graphs)
     prompts, params = mixed_traffic(n=40, max_len=90, max_tokens=20, temperature=0)
     before = compile_count()
     got = llm.generate(prompts, params, use_tqdm=False)
     assert compile_count() == before, "a shape compiled after warm-up"
     assert any(not graphs.whole(k) for k in met), "traffic met no plan-only key: the test would see nothing"
     gpu_shaped_engines()
-    expected = LLM(**config, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    expected = LLM(**MIXED_KEYS_CONFIG, enforce_eager=True).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
