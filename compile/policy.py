@@ -112,9 +112,10 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 # (and the largest); None: to every decode bucket. Each decode bucket a mixed step takes is a prompt-step graph per
 # tile bucket at start-up (10-11 each at the default budget, ~130 in all). A padded decode row there has no token
 # row (no GEMM work) and attends nothing, but a step of few decode rows on a larger bucket splits each row's pages
-# fewer times (choose_decode_splits: the programs go to the padded rows' empty splits). A knob for a same-box A/B of
-# a fresh start against long-context mixed steps (issue 24; decode_step_probe.py's mixed_bucket_base=4: 66 graphs).
-MIXED_DECODE_BASE: int | None = None
+# fewer times (choose_decode_splits: the programs go to the padded rows' empty splits). 4 (66 graphs where every bucket
+# gave 130) saved ~2.5 s of a fresh start on an H200 and cost 0.3% of 8 x 16k-token prompts' throughput, none at
+# 256 x 256 x 256 (docs/benchmarks.md, session 56; decode_step_probe.py's mixed_bucket_base=0 is every bucket).
+MIXED_DECODE_BASE: int | None = 4
 
 
 def mixed_decode_buckets(max_num_seqs: int) -> list[int]:

@@ -30,8 +30,8 @@ rotary + K/V store kernel (layers/rotary.py's ROTARY_STORE) or with gate/up + Si
         # no decode bucket 96 nor 192 (compile/policy.py): batch 96 runs on 128's graph, 192 on 256's
     python3 scripts/decode_step_probe.py default,plan_graphs_at_start=0 -- throughput ...  # long steps' plan graphs
         # captured when first met (compile/warmup.py's CAPTURE_PLAN_GRAPHS), not at start-up
-    python3 scripts/decode_step_probe.py default,mixed_bucket_base=4 -- throughput ...  # a mixed step's decode rows
-        # on the decode buckets 1, 4, 16, 64, 256 alone (compile/policy.py's MIXED_DECODE_BASE)
+    python3 scripts/decode_step_probe.py default,mixed_bucket_base=0 -- throughput ...  # a mixed step's decode rows
+        # on every decode bucket, not on 1, 4, 16, 64, 256 alone (compile/policy.py's MIXED_DECODE_BASE, 4)
 
 heads_as_rows=N: the decode rows of steps of up to N on flex's attention template, each KV head's query heads as its
 query rows (flex_kernels.DECODE_HEADS_AS_ROWS; no normalising kernel after the decode template's float32 accumulator);

@@ -803,11 +803,13 @@ def mixed_keys_met(graphs) -> list:
 
 @pytest.mark.parametrize("whole_tiles", [16, 1])
 def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines, whole_tiles, monkeypatch):
-    """capture_mixed_graphs prepares one key per (decode bucket or none, tile bucket); mixed traffic
-    then meets no step layout with prompt tokens that start-up did not prepare; also where the 2-tile keys
-    are past the whole graphs' tiles (their plan and metadata alone)."""
-    from flexengine.compile import mixed_graphs
+    """With every decode bucket beside prompt tokens (policy.MIXED_DECODE_BASE None), capture_mixed_graphs prepares
+    one key per (decode bucket or none, tile bucket); mixed traffic then meets no step layout with prompt tokens that
+    start-up did not prepare; also where the 2-tile keys are past the whole graphs' tiles (their plan and metadata
+    alone)."""
+    from flexengine.compile import mixed_graphs, policy
     monkeypatch.setattr(mixed_graphs, "MAX_GRAPH_TILES", whole_tiles)
+    monkeypatch.setattr(policy, "MIXED_DECODE_BASE", None)
     llm = LLM(**MIXED_KEYS_CONFIG)
     graphs = llm.llm_engine.runner.mixed_graphs
     keys = prepared_mixed_keys(llm.llm_engine.runner)
@@ -823,11 +825,11 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines, 
 
 
 def test_mixed_steps_on_fewer_decode_buckets_compile_nothing_after_warm_up(gpu_shaped_engines, monkeypatch):
-    """policy.MIXED_DECODE_BASE 4 (a start-up knob): the decode rows beside prompt tokens pad to the decode buckets
-    1, 4 and 16 alone (of 1-16); start-up prepares those keys alone, traffic meets no other, compiles nothing after
+    """policy.MIXED_DECODE_BASE 4, the default: the decode rows beside prompt tokens pad to the decode buckets 1, 4
+    and 16 alone (of 1-16); start-up prepares those keys alone, traffic meets no other, compiles nothing after
     warm-up (the decode rows' shapes are decode buckets' too), and the tokens are the eager engine's."""
     from flexengine.compile import policy
-    monkeypatch.setattr(policy, "MIXED_DECODE_BASE", 4)
+    assert policy.MIXED_DECODE_BASE == 4
     llm = LLM(**MIXED_KEYS_CONFIG)
     runner = llm.llm_engine.runner
     assert runner.decode_buckets == [1, 2, 4, 8, 16] and runner.mixed_decode_buckets == [1, 4, 16]
