@@ -824,7 +824,7 @@ def test_start_up_captures_every_mixed_layout_traffic_meets(gpu_shaped_engines, 
     assert {graphs.whole(k) for k in met} == ({True} if whole_tiles == 16 else {True, False})
 
 
-def test_mixed_steps_on_fewer_decode_buckets_compile_nothing_after_warm_up(gpu_shaped_engines, monkeypatch):
+def test_mixed_steps_on_fewer_decode_buckets_compile_nothing_after_warm_up(gpu_shaped_engines):
     """policy.MIXED_DECODE_BASE 4, the default: the decode rows beside prompt tokens pad to the decode buckets 1, 4
     and 16 alone (of 1-16); start-up prepares those keys alone, traffic meets no other, compiles nothing after
     warm-up (the decode rows' shapes are decode buckets' too), and the tokens are the eager engine's."""
