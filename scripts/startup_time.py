@@ -157,7 +157,15 @@ def main() -> None:
     p.add_argument("--knobs", default="", metavar="KEY=INT,...",
                    help="engine knobs as scripts/decode_step_probe.py takes them, e.g. down_split_rows=0 (no graph "
                    "either side of the row count) or zero_first_deltas=1 (the first layer on the later layers' graphs)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set before torch is imported, for this start and Inductor's compile workers (repeatable), "
+                   "e.g. TRITON_DISABLE_LINE_INFO=1: Triton's kernels compiled without line info")
     known, rest = p.parse_known_args()
+    for pair in known.env:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            p.error(f"--env takes KEY=VALUE, not {pair!r}")
+        os.environ[key] = value
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
     # before torch is imported: Inductor and Triton read these once
@@ -191,6 +199,7 @@ def main() -> None:
         sampler.join()
     caches = f"caches in {root}, {'warm' if warm else 'empty'} at start"
     env = {k: v for k, v in os.environ.items() if k.startswith("FLEXENGINE_")}
+    env.update(pair.partition("=")[::2] for pair in known.env)
     print(f"LLM built in {built:.1f} s ({caches}; max_model_len {llm.llm_engine.max_model_len}; env {env})",
           flush=True)
     import torch._dynamo.utils as dynamo_utils
