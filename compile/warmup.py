@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .policy import allow_recompiles, bucket, decode_buckets, mixed_decode_buckets, tile_bucket, tile_buckets
+from .policy import allow_recompiles, bucket, tile_bucket, tile_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def prompt_lengths(runner, tiles: int, beside: int = 0) -> list[int] | None:
 def shape_classes(runner) -> int:
     """Compiled flex graphs the engine needs: one per bucket (and the wide-q-block step) and per distinct (mask,
     score) pair."""
-    buckets = len(prefill_buckets(runner)) + len(decode_buckets(runner.config.max_num_seqs))
+    buckets = len(prefill_buckets(runner)) + len(runner.decode_buckets)
     return (buckets + (wide_prefill_step(runner) is not None)) * len(set(runner.mods))
 
 
@@ -170,7 +170,7 @@ def capture_mixed_graphs(runner) -> int:
     first use). Returns how many graphs were captured."""
     from ..engine.scheduler import ScheduledBatch
     graphs, cfg = runner.mixed_graphs, runner.config
-    buckets = mixed_decode_buckets(cfg.max_num_seqs)
+    buckets = runner.mixed_decode_buckets  # (what layout_padding pads a mixed step's decode rows to)
     top = min(graphs.plan_tiles, max_prefill_tiles(cfg.max_num_batched_tokens))
     before = len(graphs.graphs) + len(graphs.plan_graphs)
     layouts = []  # (tiles, decode rows, prompt lengths) of every step layout a graph serves
@@ -223,7 +223,7 @@ def warm_up_steps(runner, decode: bool = False) -> float:
     if wide is not None:
         steps.append((dummy_seqs(runner, 1, *wide), [wide[0]]))
     if decode:
-        steps += [(dummy_seqs(runner, b, 1), [1] * b) for b in decode_buckets(runner.config.max_num_seqs)]
+        steps += [(dummy_seqs(runner, b, 1), [1] * b) for b in runner.decode_buckets]
     for seqs, num_new_tokens in progress(runner, steps, "Compiling step shapes"):
         run_dummy(runner, seqs, num_new_tokens)
     if runner.device.type == "cuda":

@@ -161,11 +161,13 @@ def main() -> None:
                    help="set before torch is imported, for this start and Inductor's compile workers (repeatable), "
                    "e.g. TRITON_DISABLE_LINE_INFO=1: Triton's kernels compiled without line info")
     known, rest = p.parse_known_args()
+    extra_env = {}
     for pair in known.env:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             p.error(f"--env takes KEY=VALUE, not {pair!r}")
-        os.environ[key] = value
+        extra_env[key] = value
+    os.environ.update(extra_env)
     root = known.cache_dir or tempfile.mkdtemp(prefix="startup_")
     warm = os.path.isdir(os.path.join(root, "inductor"))
     # before torch is imported: Inductor and Triton read these once
@@ -199,7 +201,7 @@ def main() -> None:
         sampler.join()
     caches = f"caches in {root}, {'warm' if warm else 'empty'} at start"
     env = {k: v for k, v in os.environ.items() if k.startswith("FLEXENGINE_")}
-    env.update(pair.partition("=")[::2] for pair in known.env)
+    env.update(extra_env)
     print(f"LLM built in {built:.1f} s ({caches}; max_model_len {llm.llm_engine.max_model_len}; env {env})",
           flush=True)
     import torch._dynamo.utils as dynamo_utils
